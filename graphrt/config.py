@@ -1,0 +1,55 @@
+"""Capacities and attention shape of a graphrt runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """Fixed for the life of a runtime: every static buffer and graph is sized from it.
+
+    Per-layer attention options (window, composition, soft-cap, scale) are arguments of
+    the attention call instead, since real models mix sliding and global layers.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int           # tokens per KV-cache block
+    num_blocks: int           # blocks in the KV cache (per layer)
+    max_num_seqs: int         # sequences in one step
+    max_num_tokens: int       # new tokens in one step, all sequences together
+    max_model_len: int        # context + new tokens of one sequence
+    max_prefix_ranges: int = 8  # prefix ranges (images) per sequence
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "num_blocks", "max_num_seqs",
+                     "max_num_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RuntimeConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.max_prefix_ranges, bool) or not isinstance(self.max_prefix_ranges, int) \
+                or not 0 <= self.max_prefix_ranges <= 64:
+            raise ValueError(f"RuntimeConfig.max_prefix_ranges must be an int in [0, 64], got {self.max_prefix_ranges!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"RuntimeConfig.num_q_heads ({self.num_q_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.max_num_tokens < self.max_num_seqs:
+            raise ValueError(f"RuntimeConfig.max_num_tokens ({self.max_num_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every sequence brings at least one token")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"RuntimeConfig.dtype must be one of {_DTYPES}, got {self.dtype}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def queries_per_kv(self) -> int:
+        return self.num_q_heads // self.num_kv_heads

@@ -1,0 +1,38 @@
+"""Argument checks shared by the launchers: each raises naming the argument and the limit."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_tensor(name: str, t: object, *, dim: int, dtypes=FLOAT_DTYPES, device: torch.device | None = None,
+                 last_contiguous: bool = True) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (same device as the metadata)")
+    if last_contiguous and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
+    return t
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_runnable(device: torch.device) -> None:
+    """Triton compiles for CUDA devices; CPU tensors need its interpreter."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError("graphrt kernels on CPU tensors run under Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before graphrt.kernels is first imported")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"graphrt kernels run on cuda (or cpu through the interpreter), got {device}")

@@ -1,0 +1,356 @@
+"""Paged attention for a mixed batch (prefill chunks + decodes) in one launch.
+
+Masks (DESIGN.md): causal, plus bidirectional attention among the tokens of one prefix
+range; optional sliding window composed Gemma3-style ``(causal & window) | same_range`` or
+Gemma4-style ``(causal | same_range) & window``; optional logit soft-cap; GQA/MQA.
+A key at position k is inside the window of a query at position q when ``q - k < window``.
+
+Work split: a program owns one KV head and a tile of BLOCK_Q consecutive new tokens of one
+sequence, times the QPK query heads that share that KV head (so each K/V tile is loaded
+once for all of them: BLOCK_M = BLOCK_Q * QPK_PAD rows). Programs find their sequence by a
+binary search over ``query_start_loc`` on the device, so the grid depends only on the
+capacities (tokens, sequences) and the same launch serves any step that fits.
+
+Split-KV (flash-decoding): with NUM_SPLITS > 1 each tile's visible key span is cut on the
+device into NUM_SPLITS equal runs of key tiles; each split writes a partial output and its
+log-sum-exp, and ``_merge_kernel`` combines them. The split count is fixed at launch, the
+split lengths follow each step's contexts on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_runnable, check_shape, check_tensor
+from .metadata import AttentionMetadata
+
+COMPOSITIONS = ("gemma3", "gemma4")
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr,
+    stride_q_tok, stride_q_head,
+    stride_k_blk, stride_k_tok, stride_k_head,
+    stride_v_blk, stride_v_tok, stride_v_head,
+    stride_o_tok, stride_o_head,
+    stride_bt_seq,
+    stride_po_tok, stride_po_head, stride_po_split,
+    stride_pl_tok, stride_pl_head,
+    scale_log2e, softcap, window,
+    max_num_seqs,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    QPK: tl.constexpr, QPK_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_RANGES: tl.constexpr,
+    USE_WINDOW: tl.constexpr, GEMMA4: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
+    tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
+    i_tile = tl.program_id(0)
+    i_kvh = tl.program_id(1)
+    i_split = tl.program_id(2)
+
+    # Sequence of this tile: sequence i owns virtual tiles starting at
+    # query_start_loc[i] // BLOCK_Q + i (strictly increasing in i), so search for the last
+    # start <= i_tile. Over-allocated tiles fall past q_len and exit below.
+    lo = i_tile * 0                                       # a tensor in compiled and interpreted mode
+    hi = lo + max_num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if mid_start <= i_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    i_seq = lo - 1
+    q_start = tl.load(query_start_loc_ptr + i_seq)
+    q_len = tl.load(query_start_loc_ptr + i_seq + 1) - q_start
+    i_qblk = i_tile - (q_start // BLOCK_Q + i_seq)
+    if i_qblk * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + i_seq)
+    ctx_len = seq_len - q_len
+
+    o_m = tl.arange(0, BLOCK_M)
+    o_tok = i_qblk * BLOCK_Q + o_m // QPK_PAD            # token index within the sequence's new tokens
+    o_head = o_m % QPK_PAD
+    o_d = tl.arange(0, HEAD_DIM_PAD)
+    m_d = o_d < HEAD_DIM
+    m_row = (o_tok < q_len) & (o_head < QPK)
+    q_pos = ctx_len + o_tok                               # [BLOCK_M] absolute positions
+    i_qh = i_kvh * QPK + o_head                           # [BLOCK_M] query heads
+
+    # [BLOCK_M, HEAD_DIM_PAD]
+    p_q = q_ptr + (q_start + o_tok).to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+
+    # The prefix range holding each query row ([0, 0) when none): ranges never overlap.
+    r_start = tl.zeros([BLOCK_M], dtype=tl.int32)
+    r_end = tl.zeros([BLOCK_M], dtype=tl.int32)
+    p_ranges = prefix_ranges_ptr + i_seq.to(tl.int64) * (MAX_RANGES * 2)
+    for r in tl.static_range(MAX_RANGES):
+        s = tl.load(p_ranges + 2 * r)
+        e = tl.load(p_ranges + 2 * r + 1)
+        inside = (q_pos >= s) & (q_pos < e)
+        r_start = tl.where(inside, s, r_start)
+        r_end = tl.where(inside, e, r_end)
+
+    # Keys any row of this tile can see: causal up to its last token, widened to the end
+    # of every range that holds one of its queries; the window (if any) bounds it below,
+    # and under gemma3 a range also reaches below the window.
+    first_pos = ctx_len + i_qblk * BLOCK_Q
+    k_hi = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    k_hi = tl.maximum(k_hi, tl.max(tl.where(m_row, r_end, 0), axis=0))
+    k_hi = tl.minimum(k_hi, seq_len)
+    k_lo = 0
+    if USE_WINDOW:
+        k_lo = tl.maximum(first_pos - window + 1, 0)
+        if not GEMMA4:
+            in_range = m_row & (r_end > r_start)
+            k_lo = tl.minimum(k_lo, tl.min(tl.where(in_range, r_start, k_lo), axis=0))
+    kt_lo = k_lo // BLOCK_N
+    kt_hi = tl.cdiv(k_hi, BLOCK_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(kt_hi - kt_lo, NUM_SPLITS)
+        kt_lo = kt_lo + i_split * per_split
+        kt_hi = tl.minimum(kt_lo + per_split, kt_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    p_bt = block_table_ptr + i_seq.to(tl.int64) * stride_bt_seq
+    for kt in range(kt_lo, kt_hi):
+        k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
+        m_k = k_pos < seq_len
+        i_blk = tl.load(p_bt + k_pos // KV_BLOCK_SIZE, mask=m_k, other=0).to(tl.int64)
+        i_off = k_pos % KV_BLOCK_SIZE
+        # [HEAD_DIM_PAD, BLOCK_N]
+        p_k = k_cache_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok + i_kvh * stride_k_head)[None, :] + o_d[:, None]
+        b_k = tl.load(p_k, mask=m_k[None, :] & m_d[:, None], other=0.0)
+        # [BLOCK_N, HEAD_DIM_PAD]
+        p_v = v_cache_ptr + (i_blk * stride_v_blk + i_off * stride_v_tok + i_kvh * stride_v_head)[:, None] + o_d[None, :]
+        b_v = tl.load(p_v, mask=m_k[:, None] & m_d[None, :], other=0.0)
+
+        if IEEE_DOT:
+            b_s = tl.dot(b_q, b_k, input_precision="ieee")
+        else:
+            b_s = tl.dot(b_q, b_k)
+        if USE_SOFTCAP:
+            # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1): saturates to +-1
+            b_s = b_s * (scale_log2e * 0.6931471805599453 / softcap)
+            b_s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * b_s) + 1.0)) * 1.4426950408889634
+        else:
+            b_s = b_s * scale_log2e
+
+        causal = k_pos[None, :] <= q_pos[:, None]
+        same_range = (k_pos[None, :] >= r_start[:, None]) & (k_pos[None, :] < r_end[:, None])
+        if USE_WINDOW:
+            in_window = (q_pos[:, None] - k_pos[None, :]) < window
+            if GEMMA4:
+                visible = (causal | same_range) & in_window
+            else:
+                visible = (causal & in_window) | same_range
+        else:
+            visible = causal | same_range
+        visible = visible & m_k[None, :]
+        b_s = tl.where(visible, b_s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
+        b_p = tl.exp2(b_s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(b_p, axis=1)
+        if IEEE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    o_tok_abs = (q_start + o_tok).to(tl.int64)
+    if NUM_SPLITS == 1:
+        p_o = out_ptr + o_tok_abs[:, None] * stride_o_tok + i_qh[:, None] * stride_o_head + o_d[None, :]
+        tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
+    else:
+        p_o = (part_o_ptr + o_tok_abs[:, None] * stride_po_tok + i_qh[:, None] * stride_po_head
+               + i_split * stride_po_split + o_d[None, :])
+        tl.store(p_o, b_o, mask=m_row[:, None] & m_d[None, :])
+        b_lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        p_lse = part_lse_ptr + o_tok_abs * stride_pl_tok + i_qh * stride_pl_head + i_split
+        tl.store(p_lse, b_lse, mask=m_row)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr, query_start_loc_ptr,
+    stride_o_tok, stride_o_head,
+    stride_po_tok, stride_po_head, stride_po_split,
+    stride_pl_tok, stride_pl_head,
+    max_num_seqs,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    i_tok = tl.program_id(0)
+    i_head = tl.program_id(1)
+    if i_tok >= tl.load(query_start_loc_ptr + max_num_seqs):   # padding past the step's tokens
+        return
+    o_s = tl.arange(0, SPLITS_PAD)
+    o_d = tl.arange(0, HEAD_DIM_PAD)
+    m_s = o_s < NUM_SPLITS
+    m_d = o_d < HEAD_DIM
+    base_l = part_lse_ptr + i_tok.to(tl.int64) * stride_pl_tok + i_head * stride_pl_head
+    b_lse = tl.load(base_l + o_s, mask=m_s, other=float("-inf"))   # [SPLITS_PAD]
+    lse_max = tl.max(b_lse, axis=0)                                 # finite: the diagonal key is in some split
+    w = tl.exp2(b_lse - lse_max)
+    w = w / tl.sum(w, axis=0)
+    base_o = part_o_ptr + i_tok.to(tl.int64) * stride_po_tok + i_head * stride_po_head
+    # [SPLITS_PAD, HEAD_DIM_PAD]
+    b_o = tl.load(base_o + o_s[:, None] * stride_po_split + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+    b_out = tl.sum(b_o * w[:, None], axis=0)
+    p_out = out_ptr + i_tok.to(tl.int64) * stride_o_tok + i_head * stride_o_head + o_d
+    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_d)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and launch options; chosen before capture, never from per-step values."""
+
+    block_q: int        # new tokens per tile (times the query heads per KV head = tile rows)
+    block_n: int        # keys per inner iteration
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_config(head_dim: int, dtype: torch.dtype, queries_per_kv: int, *,
+                   max_query_len: int | None = None) -> KernelConfig:
+    """Static table. ``max_query_len == 1`` (a decode-only launch) picks the smallest tile
+    that ``tl.dot`` accepts, since a decode has one token per sequence."""
+    qpk_pad = triton.next_power_of_2(queries_per_kv)
+    block_n = 64 if head_dim <= 128 else 32
+    if max_query_len == 1:
+        return KernelConfig(block_q=max(1, 16 // qpk_pad), block_n=block_n, num_warps=4, num_stages=2)
+    rows = 64 if head_dim <= 128 else 32
+    return KernelConfig(block_q=max(1, rows // qpk_pad), block_n=block_n, num_warps=4, num_stages=2)
+
+
+def split_workspace(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
+                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial outputs [T, Hq, splits, D] and log-sum-exps [T, Hq, splits], float32."""
+    part_o = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
+    return part_o, part_lse
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    meta: AttentionMetadata, *, scale: float | None = None, window: int | None = None,
+                    composition: str = "gemma3", softcap: float | None = None, num_splits: int = 1,
+                    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    max_query_len: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """Attention of the step's new tokens over their paged K/V; writes ``out`` in place.
+
+    q:       [T, Hq, D] new-token queries (T = token capacity of this launch).
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D] with Hq % Hkv == 0; K/V of the new
+             tokens must already be in the cache (see ``write_kv``).
+    out:     [T, Hq, D], same dtype as q. Rows of tokens past the step's count are untouched.
+    meta:    the step's AttentionMetadata on the same device.
+    scale:   logit scale, default 1/sqrt(D). window: keys with ``q - k < window`` (None: off).
+    composition: how a window and prefix ranges combine, "gemma3" or "gemma4" (module doc).
+    softcap: ``softcap * tanh(logit / softcap)`` when set.
+    num_splits: split-KV factor (1 = off). workspace: ``split_workspace(...)`` buffers, made
+             here when None (pass them when capturing, so the graph owns fixed buffers).
+    max_query_len: a capacity hint (1 for decode-only launches) that picks the tile shape.
+    """
+    check_tensor("meta", meta.seq_lens, dim=1, dtypes=(torch.int32,))
+    device = meta.device
+    check_runnable(device)
+    check_tensor("q", q, dim=3, device=device)
+    check_tensor("k_cache", k_cache, dim=4, dtypes=(q.dtype,), device=device)
+    check_tensor("v_cache", v_cache, dim=4, dtypes=(q.dtype,), device=device)
+    check_tensor("out", out, dim=3, dtypes=(q.dtype,), device=device)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    check_shape("v_cache", v_cache, k_cache.shape)
+    check_shape("out", out, q.shape)
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"q heads ({num_q_heads}) must be a multiple of k_cache heads ({num_kv_heads})")
+    if num_tokens > meta.max_num_tokens:
+        raise ValueError(f"q has {num_tokens} tokens, more than meta.slot_mapping's capacity {meta.max_num_tokens}")
+    if composition not in COMPOSITIONS:
+        raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= 64:
+        raise ValueError(f"num_splits must be an int in [1, 64], got {num_splits!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    qpk = num_q_heads // num_kv_heads
+    cfg = config or default_config(head_dim, q.dtype, qpk, max_query_len=max_query_len)
+    qpk_pad = triton.next_power_of_2(qpk)
+    if cfg.block_q * qpk_pad < 16:
+        raise ValueError(f"config.block_q={cfg.block_q} gives {cfg.block_q * qpk_pad} tile rows, need >= 16")
+
+    if num_splits > 1:
+        if workspace is None:
+            workspace = split_workspace(num_tokens, num_q_heads, head_dim, num_splits, device)
+        part_o, part_lse = workspace
+        check_tensor("workspace[0]", part_o, dim=4, dtypes=(torch.float32,), device=device)
+        check_tensor("workspace[1]", part_lse, dim=3, dtypes=(torch.float32,), device=device)
+        if part_o.shape[0] < num_tokens or tuple(part_o.shape[1:]) != (num_q_heads, num_splits, head_dim):
+            raise ValueError(f"workspace[0] must be [>= {num_tokens}, {num_q_heads}, {num_splits}, {head_dim}], "
+                             f"got {tuple(part_o.shape)}")
+        if part_lse.shape[0] < num_tokens or tuple(part_lse.shape[1:]) != (num_q_heads, num_splits):
+            raise ValueError(f"workspace[1] must be [>= {num_tokens}, {num_q_heads}, {num_splits}], "
+                             f"got {tuple(part_lse.shape)}")
+        if part_lse.stride(2) != 1:
+            raise ValueError("workspace[1] needs a contiguous last dim")
+    else:
+        part_o, part_lse = out, out    # unused by the kernel when NUM_SPLITS == 1
+
+    max_num_seqs = meta.max_num_seqs
+    num_tiles = num_tokens // cfg.block_q + max_num_seqs
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        meta.block_table.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2) if num_splits > 1 else 0,
+        part_lse.stride(0), part_lse.stride(1),
+        float(scale) * 1.4426950408889634, float(softcap or 1.0), int(window or 0),
+        max_num_seqs,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=block_size,
+        QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
+        MAX_RANGES=meta.max_prefix_ranges,
+        USE_WINDOW=window is not None, GEMMA4=composition == "gemma4", USE_SOFTCAP=softcap is not None,
+        NUM_SPLITS=num_splits, IEEE_DOT=q.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _merge_kernel[(num_tokens, num_q_heads)](
+            out, part_o, part_lse, meta.query_start_loc,
+            out.stride(0), out.stride(1),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            max_num_seqs,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,86 @@
+"""Float64 ground truth in plain PyTorch: a dense mask built from the rule, one sequence
+at a time. Slow and simple on purpose; use it to check a set-up, never in a step.
+
+    visible(q, k) = k < seq_len and
+        gemma3: (k <= q and q - k < window) or same_range(q, k)
+        gemma4: (k <= q or same_range(q, k)) and q - k < window
+    (without a window both read ``k <= q or same_range(q, k)``), where same_range(q, k)
+    holds when one prefix range [start, end) of the sequence contains both positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .metadata import AttentionMetadata
+
+
+def attention_mask(seq_len: int, q_len: int, prefix_ranges, *, window: int | None = None,
+                   composition: str = "gemma3") -> torch.Tensor:
+    """Dense [q_len, seq_len] bool mask for the last q_len positions of a sequence.
+    ``prefix_ranges``: iterable of half-open (start, end); empty ones are ignored."""
+    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    k_pos = torch.arange(seq_len)[None, :]
+    causal = k_pos <= q_pos
+    same_range = torch.zeros(q_len, seq_len, dtype=torch.bool)
+    for start, end in prefix_ranges:
+        if end > start:
+            same_range |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
+    if window is None:
+        return causal | same_range
+    in_window = (q_pos - k_pos) < window
+    if composition == "gemma4":
+        return (causal | same_range) & in_window
+    if composition == "gemma3":
+        return (causal & in_window) | same_range
+    raise ValueError(f"composition must be 'gemma3' or 'gemma4', got {composition!r}")
+
+
+def gather_kv(cache: torch.Tensor, block_ids, seq_len: int) -> torch.Tensor:
+    """[seq_len, Hkv, D] rows of one sequence from a [num_blocks, block_size, Hkv, D] cache."""
+    block_size = cache.shape[1]
+    pos = torch.arange(seq_len)
+    blocks = torch.as_tensor(block_ids, dtype=torch.long)[pos // block_size]
+    return cache[blocks, pos % block_size]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    *, scale: float | None = None, window: int | None = None, composition: str = "gemma3",
+                    softcap: float | None = None) -> torch.Tensor:
+    """Float64 [num_tokens, Hq, D] output of the step's tokens (rows past the step's token
+    count are not returned). Same arguments and semantics as ``graphrt.kernels.paged_attention``."""
+    qsl = meta.query_start_loc.cpu().long()
+    seq_lens = meta.seq_lens.cpu().long()
+    block_table = meta.block_table.cpu().long()
+    ranges = meta.prefix_ranges.cpu().long()
+    q64, k64, v64 = q.detach().cpu().double(), k_cache.detach().cpu().double(), v_cache.detach().cpu().double()
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    qpk = num_q_heads // k_cache.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.zeros(int(qsl[-1]), num_q_heads, head_dim, dtype=torch.float64)
+    for i in range(seq_lens.shape[0]):
+        q0, q1, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+        if q1 == q0:
+            continue
+        mask = attention_mask(seq_len, q1 - q0, ranges[i].tolist(), window=window, composition=composition)
+        k = gather_kv(k64, block_table[i], seq_len).repeat_interleave(qpk, dim=1)   # [L, Hq, D]
+        v = gather_kv(v64, block_table[i], seq_len).repeat_interleave(qpk, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q64[q0:q1], k) * scale                     # [Hq, q_len, L]
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~mask, float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
+    return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """In-place cache write with the same contract as ``graphrt.kernels.write_kv``."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping[: k.shape[0]].to(k_cache.device).long()
+    keep = slots >= 0
+    blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
