@@ -1,0 +1,5 @@
+import sys
+
+from graphrt.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""Launchers reject bad arguments with errors that name the argument, before any launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _cases import Seq, build_meta, rngs
+from graphrt.kernels import AttentionMetadata, paged_attention, split_workspace, write_kv
+
+
+@pytest.fixture
+def setup(device):
+    rng, _ = rngs(0)
+    meta, _ = build_meta([Seq(3, 5, ((0, 4),)), Seq(1, 9)], block_size=16, num_blocks=4, max_ranges=2, rng=rng,
+                         device=device, num_seqs=3, num_tokens=6)
+    q = torch.randn(6, 4, 64, device=device)
+    k_cache = torch.randn(4, 16, 2, 64, device=device)
+    return dict(q=q, k_cache=k_cache, v_cache=k_cache.clone(), out=torch.empty_like(q), meta=meta)
+
+
+def _call(setup, **change):
+    args = {**setup}
+    opts = {k: change.pop(k) for k in list(change) if k not in args}
+    args.update(change)
+    paged_attention(args["q"], args["k_cache"], args["v_cache"], args["out"], args["meta"], **opts)
+
+
+@pytest.mark.parametrize("change,err,match", [
+    (lambda s: dict(q=s["q"].long()), TypeError, r"^q must have dtype"),
+    (lambda s: dict(k_cache=s["k_cache"].half()), TypeError, r"^k_cache must have dtype"),
+    (lambda s: dict(out=s["out"].half()), TypeError, r"^out must have dtype"),
+    (lambda s: dict(q=s["q"][0]), ValueError, r"^q must have 3 dims"),
+    (lambda s: dict(v_cache=s["v_cache"][:2]), ValueError, r"^v_cache must have shape"),
+    (lambda s: dict(out=s["out"][:3]), ValueError, r"^out must have shape"),
+    (lambda s: dict(q=s["q"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, r"^q needs a contiguous last"),
+    (lambda s: dict(q=s["q"][:, :3].contiguous(), out=s["out"][:, :3].contiguous()), ValueError,
+     r"multiple of k_cache heads"),
+    (lambda s: dict(k_cache=s["k_cache"][..., :32], v_cache=s["v_cache"][..., :32]), ValueError, r"k_cache head_dim"),
+    (lambda s: dict(q=torch.randn(7, 4, 64, device=s["q"].device), out=torch.empty(7, 4, 64, device=s["q"].device)),
+     ValueError, r"q has 7 tokens, more than"),
+    (lambda s: dict(composition="gemma2"), ValueError, r"^composition must be one of"),
+    (lambda s: dict(window=0), ValueError, r"^window must be a positive int"),
+    (lambda s: dict(window=8.0), ValueError, r"^window must be a positive int"),
+    (lambda s: dict(softcap=0.0), ValueError, r"^softcap must be > 0"),
+    (lambda s: dict(num_splits=0), ValueError, r"^num_splits must be an int in \[1, 64\]"),
+    (lambda s: dict(num_splits=2, workspace=split_workspace(6, 4, 64, 3, s["q"].device)), ValueError,
+     r"^workspace\[0\] must be"),
+], ids=["q-int", "cache-dtype", "out-dtype", "q-dims", "v-shape", "out-shape", "q-strided", "heads", "head-dim",
+        "tokens-over-capacity", "composition", "window-0", "window-float", "softcap", "splits", "workspace"])
+def test_paged_attention_rejects(setup, change, err, match):
+    out_before = setup["out"].clone()
+    with pytest.raises(err, match=match):
+        _call(setup, **change(setup))
+    assert torch.equal(setup["out"].nan_to_num(), out_before.nan_to_num()), "out was touched by a rejected call"
+
+
+def test_metadata_rejects(setup):
+    meta = setup["meta"]
+    fields = {name: getattr(meta, name) for name in meta.__dataclass_fields__}
+    with pytest.raises(TypeError, match=r"AttentionMetadata.seq_lens must be torch.int32"):
+        AttentionMetadata(**{**fields, "seq_lens": fields["seq_lens"].long()})
+    with pytest.raises(TypeError, match=r"AttentionMetadata.slot_mapping must be torch.int64"):
+        AttentionMetadata(**{**fields, "slot_mapping": fields["slot_mapping"].int()})
+    with pytest.raises(ValueError, match=r"query_start_loc has 3 entries, seq_lens has 3"):
+        AttentionMetadata(**{**fields, "query_start_loc": fields["query_start_loc"][:3]})
+    with pytest.raises(ValueError, match=r"prefix_ranges must be a contiguous \[S, R, 2\]"):
+        AttentionMetadata(**{**fields, "prefix_ranges": fields["prefix_ranges"][:, :, :1]})
+    with pytest.raises(TypeError, match=r"AttentionMetadata.block_table must be a torch.Tensor"):
+        AttentionMetadata(**{**fields, "block_table": [[0]]})
+
+
+def test_write_kv_rejects(setup):
+    k = torch.randn(6, 2, 64, device=setup["q"].device)
+    cache = setup["k_cache"]
+    before = cache.clone()
+    with pytest.raises(TypeError, match=r"^v must have dtype"):
+        write_kv(k, k.half(), cache, cache, setup["meta"])
+    with pytest.raises(ValueError, match=r"^k_cache heads/head_dim"):
+        write_kv(k[:, :1], k[:, :1], cache, cache, setup["meta"])
+    with pytest.raises(ValueError, match=r"^slot_mapping has 6 entries, k has 7 tokens"):
+        write_kv(torch.randn(7, 2, 64, device=k.device), torch.randn(7, 2, 64, device=k.device), cache, cache,
+                 setup["meta"])
+    with pytest.raises(TypeError, match=r"^slot_mapping must have dtype"):
+        write_kv(k, k, cache, cache, setup["meta"].slot_mapping.int())
+    assert torch.equal(cache, before), "cache was touched by a rejected call"
+
+
+def test_cpu_tensors_need_the_interpreter(setup, monkeypatch):
+    if setup["q"].device.type != "cpu":
+        pytest.skip("about CPU tensors")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        _call(setup)

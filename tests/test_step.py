@@ -1,0 +1,107 @@
+"""Host-side step description: validation errors and packing into the kernels' layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _cases import build_meta, fresh_seed, random_seqs, rngs
+from graphrt import RuntimeConfig, SeqStep, Step, build_metadata
+
+CFG = RuntimeConfig(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=64, max_num_seqs=8,
+                    max_num_tokens=128, max_model_len=256, max_prefix_ranges=3, dtype=torch.float32)
+
+
+def seq(q_len=1, context_len=20, ranges=(), blocks=None):
+    n = -(-(q_len + context_len) // CFG.block_size)
+    return SeqStep(q_len=q_len, context_len=context_len, block_ids=list(range(n)) if blocks is None else blocks,
+                   prefix_ranges=ranges)
+
+
+@pytest.mark.parametrize("seqs,match", [
+    ([], r"0 sequences"),
+    ([seq()] * 9, r"9 sequences; allowed 1..max_num_seqs=8"),
+    ([seq(), seq(q_len=0)], r"seq 1: q_len must be >= 1"),
+    ([seq(context_len=-1)], r"seq 0: context_len must be >= 0"),
+    ([seq(q_len=100), seq(q_len=29)], r"129 new tokens, more than max_num_tokens=128"),
+    ([seq(q_len=1, context_len=256, blocks=list(range(17)))], r"seq 0: context_len \+ q_len = 257 exceeds max_model_len"),
+    ([seq(), seq(context_len=40, blocks=[1, 2])], r"seq 1: has 2 block_ids, fewer than"),
+    ([seq(blocks=[0, 1, 64])], r"seq 0: block id 64 is outside \[0, num_blocks=64\)"),
+    ([seq(blocks=[-1, 1])], r"seq 0: block id -1 is outside"),
+    ([seq(ranges=[(0, 2), (3, 4), (5, 6), (7, 8)])], r"seq 0: has 4 prefix ranges, more than max_prefix_ranges=3"),
+    ([seq(), seq(ranges=[(5, 5)])], r"seq 1: prefix range 0 \[5, 5\) is empty"),
+    ([seq(ranges=[(7, 3)])], r"seq 0: prefix range 0 \[7, 3\) is empty or reversed"),
+    ([seq(ranges=[(-2, 3)])], r"seq 0: prefix range 0 \[-2, 3\) starts before position 0"),
+    ([seq(ranges=[(0, 4), (10, 22)])], r"seq 0: prefix range 1 \[10, 22\) ends past the sequence's length after "
+                                       r"this step \(21\)"),
+    ([seq(ranges=[(10, 15), (2, 5)])], r"seq 0: prefix range 1 \[2, 5\) starts before the previous range ends"),
+    ([seq(ranges=[(2, 10), (8, 12)])], r"seq 0: prefix range 1 \[8, 12\) starts before the previous range ends"),
+], ids=["empty", "too-many-seqs", "q-len-0", "negative-context", "too-many-tokens", "past-max-model-len",
+        "too-few-blocks", "block-id-high", "block-id-negative", "too-many-ranges", "range-empty", "range-reversed",
+        "range-negative", "range-past-seq-len", "ranges-unsorted", "ranges-overlap"])
+def test_validate_rejects(seqs, match):
+    with pytest.raises(ValueError, match=match):
+        Step(seqs).validate(CFG)
+
+
+def test_validate_accepts_edges():
+    Step([seq(q_len=1, context_len=0, ranges=[(0, 1)]),                        # one-token range at position 0
+          seq(q_len=5, context_len=11, ranges=[(0, 4), (4, 8), (8, 16)]),        # touching ranges, last ends at seq_len
+          seq(q_len=1, context_len=255, blocks=list(range(16)))]).validate(CFG)  # exactly max_model_len
+
+
+@pytest.mark.parametrize("bad,err", [
+    (dict(q_len=1.0), TypeError), (dict(q_len=True), TypeError), (dict(block_ids=[0.5, "x"]), TypeError),
+    (dict(prefix_ranges=[(1, 2, 3)]), TypeError),
+], ids=["float-q-len", "bool-q-len", "bad-block-ids", "range-triple"])
+def test_step_rejects_wrong_types(bad, err):
+    fields = dict(q_len=1, context_len=3, block_ids=[0], prefix_ranges=())
+    fields.update(bad)
+    with pytest.raises(err):
+        Step([SeqStep(**fields)])
+
+
+def test_pack_matches_plain_builder():
+    """Step.pack (vectorised) == the tests' loop-by-loop builder, padding included."""
+    seed = fresh_seed()
+    rng, _ = rngs(seed)
+    seqs = random_seqs(rng, 6, max_q=20, max_ctx=100, max_ranges=CFG.max_prefix_ranges)
+    total = sum(s.q_len for s in seqs)
+    want, blocks = build_meta(seqs, block_size=CFG.block_size, num_blocks=CFG.num_blocks,
+                              max_ranges=CFG.max_prefix_ranges, rng=rng, device="cpu", num_seqs=8,
+                              num_tokens=total + 4)
+    step = Step([SeqStep(q_len=s.q_len, context_len=s.ctx, block_ids=b, prefix_ranges=s.ranges)
+                 for s, b in zip(seqs, blocks)])
+    got, positions = build_metadata(step, CFG, "cpu", num_seqs=8, num_tokens=total + 4)
+    for name in ("query_start_loc", "seq_lens", "prefix_ranges", "slot_mapping"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), f"{name} differs (seed={seed})"
+    for i, b in enumerate(blocks):
+        assert got.block_table[i, : len(b)].tolist() == b, f"block_table row {i} differs (seed={seed})"
+    want_pos = [p for s in seqs for p in range(s.ctx, s.seq_len)] + [0] * 4
+    assert positions.tolist() == want_pos
+
+
+def test_pack_clears_stale_ranges():
+    """Re-packing into the same arrays: a sequence with fewer ranges than last step must
+    not keep the old ones (they would change its mask)."""
+    arrays = dict(query_start_loc=np.zeros(5, np.int32), seq_lens=np.zeros(4, np.int32),
+                  block_table=np.zeros((4, CFG.max_blocks_per_seq), np.int32),
+                  prefix_ranges=np.zeros((4, 3, 2), np.int32), slot_mapping=np.zeros(8, np.int64))
+    Step([seq(ranges=[(0, 5), (6, 9), (10, 20)])] * 2).pack(CFG.block_size, **arrays)
+    Step([seq(ranges=[(2, 3)]), seq()]).pack(CFG.block_size, **arrays)
+    assert arrays["prefix_ranges"][:2].tolist() == [[[2, 3], [0, 0], [0, 0]], [[0, 0]] * 3]
+    assert arrays["query_start_loc"].tolist() == [0, 1, 2, 2, 2]
+    assert arrays["slot_mapping"][2:].tolist() == [-1] * 6
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_q_heads", 0), ("head_dim", -64), ("block_size", 16.0), ("max_num_seqs", True),
+    ("max_prefix_ranges", -1), ("num_q_heads", 6), ("max_num_tokens", 4), ("dtype", torch.int32),
+])
+def test_config_rejects(field, value):
+    fields = dict(num_q_heads=8, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=8, max_num_seqs=8,
+                  max_num_tokens=64, max_model_len=128)
+    fields[field] = value
+    with pytest.raises(ValueError, match=field):
+        RuntimeConfig(**fields)
