@@ -21,7 +21,8 @@ class AttentionMetadata:
         rows ``query_start_loc[i] : query_start_loc[i + 1]``. Padded sequences have no new
         tokens, so the last entry is the step's token count.
     seq_lens:        [S] int32. Context already cached plus the new tokens.
-    block_table:     [S, max_blocks_per_seq] int32. Cache block of each block_size keys.
+    block_table:     [S, max_blocks_per_seq] int32. Cache block of each block_size keys;
+        any strides (the runtime's is column-major).
     prefix_ranges:   [S, R, 2] int32. Half-open ``[start, end)`` positions of tokens that
         attend to each other bidirectionally; sorted, non-overlapping; unused slots are
         empty (start == end) and change nothing.
@@ -54,7 +55,7 @@ class AttentionMetadata:
                 raise ValueError(f"AttentionMetadata.{name} must have {dim} dims, got shape {tuple(t.shape)}")
             if t.device != device:
                 raise ValueError(f"AttentionMetadata.{name} is on {t.device}, seq_lens on {device}")
-            if t.stride(-1) != 1:
+            if t.stride(-1) != 1 and name != "block_table":
                 raise ValueError(f"AttentionMetadata.{name} needs a contiguous last dim, strides {t.stride()}")
         if self.query_start_loc.shape[0] != s + 1:
             raise ValueError(f"AttentionMetadata.query_start_loc has {self.query_start_loc.shape[0]} entries, "

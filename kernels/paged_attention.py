@@ -40,7 +40,7 @@ def _attn_kernel(
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
     stride_o_tok, stride_o_head,
-    stride_bt_seq,
+    stride_bt_seq, stride_bt_blk,
     stride_po_tok, stride_po_head, stride_po_split,
     stride_pl_tok, stride_pl_head,
     scale_log2e, softcap, window,
@@ -131,7 +131,7 @@ def _attn_kernel(
     for kt in range(kt_lo, kt_hi):
         k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
         m_k = k_pos < seq_len
-        i_blk = tl.load(p_bt + k_pos // KV_BLOCK_SIZE, mask=m_k, other=0).to(tl.int64)
+        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0).to(tl.int64)
         i_off = k_pos % KV_BLOCK_SIZE
         # [HEAD_DIM_PAD, BLOCK_N]
         p_k = k_cache_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok + i_kvh * stride_k_head)[None, :] + o_d[:, None]
@@ -330,7 +330,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
-        meta.block_table.stride(0),
+        meta.block_table.stride(0), meta.block_table.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2) if num_splits > 1 else 0,
         part_lse.stride(0), part_lse.stride(1),
         float(scale) * 1.4426950408889634, float(softcap or 1.0), int(window or 0),

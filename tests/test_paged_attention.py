@@ -6,6 +6,7 @@ output with NaN, and checks that every valid element was written and no padded r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -37,12 +38,14 @@ class Case:
     softcap: float | None = None
     q_scale: float = 1.0               # larger logits, to push the soft-cap into saturation
     splits: int = 1
+    column_major: bool = False         # block table stored [blocks, seqs], as the runtime's arena holds it
 
 
 CASES = [
     Case("decode-block-edges", (S(1, 0), S(1, 15), S(1, 16), S(1, 17), S(1, 47))),
     Case("prefill-odd-mha", (S(17, 0), S(63, 0), S(1, 33)), heads=(2, 2)),
     Case("mixed-mqa", (S(1, 70), S(40, 8), S(1, 0), S(17, 15)), heads=(8, 1)),
+    Case("column-major-block-table", (S(1, 70, ((3, 40),)), S(40, 8), S(17, 15)), column_major=True, splits=2),
     Case("zero-q-len-inside", (S(5, 3), S(0, 9), S(1, 20), S(0, 0), S(33, 0))),
     Case("qpk-3", (S(20, 11, ((2, 9),)), S(1, 40)), heads=(6, 2)),
     Case("ranges-edges", RANGE_EDGES),
@@ -61,7 +64,7 @@ CASES = [
          composition="gemma4"),
     Case("random"),
     Case("random-window", window=24),
-    Case("random-gemma4-split", window=40, composition="gemma4", splits=4),
+    Case("random-gemma4-split", window=40, composition="gemma4", splits=4, column_major=True),
 ]
 
 
@@ -74,6 +77,8 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device) -> None:
     num_blocks = sum(-(-s.seq_len // case.block_size) for s in seqs) + 8
     meta, _ = build_meta(seqs, block_size=case.block_size, num_blocks=num_blocks, max_ranges=case.max_ranges,
                          rng=rng, device=device, num_seqs=len(seqs) + 2, num_tokens=total + 5)
+    if case.column_major:
+        meta = dataclasses.replace(meta, block_table=meta.block_table.t().contiguous().t())
     hq, hkv = case.heads
     cache_shape = (num_blocks, case.block_size, hkv, case.head_dim)
     k_cache = torch.randn(cache_shape, generator=gen).to(device=device, dtype=dtype)

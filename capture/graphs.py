@@ -1,0 +1,92 @@
+"""Capture and replay: one CUDA graph per bucket, all in one memory pool."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .buckets import Bucket, BucketIndex
+
+GuardFn = Callable[[], Sequence[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class CapturedGraph:
+    bucket: Bucket
+    graph: torch.cuda.CUDAGraph
+    outputs: Any                # what the step function returned while capturing: static tensors
+    seconds: float              # warm-up + capture time
+    pool_bytes: int             # growth of the allocator's reserved memory during this capture
+
+
+class GraphSet:
+    """Owns the graphs. ``guard`` names every tensor the graphs read by address (caches,
+    arena, weights): a replay after any of them was replaced or reallocated is refused."""
+
+    def __init__(self, guard: GuardFn):
+        self.graphs: dict[Bucket, CapturedGraph] = {}
+        self.index = BucketIndex([])
+        self.pool = None
+        self._guard = guard
+        self._addresses: tuple[int, ...] | None = None
+
+    def check_guard(self) -> None:
+        if self._addresses is None:
+            return
+        now = self._guard()
+        if len(now) != len(self._addresses) or any(t.data_ptr() != a for (_, t), a in zip(now, self._addresses)):
+            moved = [name for (name, t), a in zip(now, self._addresses) if t.data_ptr() != a]
+            what = ", ".join(moved[:4]) or f"the set of guarded tensors ({len(self._addresses)} -> {len(now)})"
+            raise RuntimeError(f"graphrt: {what} moved or was replaced since capture; the captured graphs would "
+                               f"read stale memory. Put new values in place with .copy_(), or capture again.")
+
+    def capture(self, buckets: Sequence[Bucket], prepare: Callable[[Bucket], Callable[[], Any]], *,
+                warmup: int = 1, trace=None, progress: Callable[[CapturedGraph], None] | None = None) -> None:
+        """Capture every bucket, largest first. ``prepare(bucket)`` stages an all-padding step
+        for the bucket and returns the function that runs one step of it."""
+        self.check_guard()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        gc.collect()
+        gc.freeze()     # torch.cuda.graph collects garbage on entry: keep that cheap across many buckets
+        try:
+            for bucket in sorted(buckets, reverse=True):
+                t0 = time.perf_counter()
+                reserved = torch.cuda.memory_reserved()
+                run = prepare(bucket)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(warmup):      # compiles kernels and warms the allocator outside the graph
+                        run()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                span = trace.range("capture", bucket=bucket) if trace else contextlib.nullcontext()
+                with span, torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    outputs = run()
+                torch.cuda.synchronize()
+                captured = CapturedGraph(bucket, graph, outputs, time.perf_counter() - t0,
+                                         torch.cuda.memory_reserved() - reserved)
+                self.graphs[bucket] = captured
+                if progress:
+                    progress(captured)
+        finally:
+            gc.unfreeze()
+        self.index = BucketIndex(list(self.graphs))
+        self._addresses = tuple(t.data_ptr() for _, t in self._guard())
+
+    def pick(self, num_seqs: int, num_tokens: int, is_decode: bool) -> CapturedGraph | None:
+        bucket = self.index.pick(num_seqs, num_tokens, is_decode)
+        return None if bucket is None else self.graphs[bucket]
+
+    def replay(self, captured: CapturedGraph) -> Any:
+        """Replay on the current stream; the caller runs ``check_guard`` first (before it
+        stages anything, so a refused step leaves the buffers as they were)."""
+        captured.graph.replay()
+        return captured.outputs
+

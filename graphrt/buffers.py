@@ -1,0 +1,181 @@
+"""The static step buffers: one device arena, a ring of pinned host twins, one copy a step.
+
+Layout of a bucket of S sequences and T tokens (byte offsets from the arena's start, every
+field 16-byte aligned):
+
+    slot_mapping     [T]        int64  cache slot of each new token, -1 = padding
+    positions        [T]        int64  sequence position of each new token (0 for padding)
+    input_ids        [T]        int64  the step's token ids (0 for padding)
+    query_start_loc  [S + 1]    int32  cumulative new tokens; padding repeats the total
+    seq_lens         [S]        int32  context + new tokens; 0 for padding
+    prefix_ranges    [S, R, 2]  int32  half-open ranges, empty (0, 0) when unused
+    block_table      [B, S]     int32  stored column-major (block j of every sequence
+                                       together), seen by the kernels as an [S, B] view
+
+Each bucket has its own compact layout at the start of the arena, so a step copies only
+its bucket's fields, and the block table goes last, column-major, so that a step whose
+longest sequence needs W blocks copies just its first W columns: the bytes copied follow
+the step's size and longest context, never max_model_len. A kernel never reads a block
+past its sequence's length, so columns left over from older steps are harmless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphrt.config import RuntimeConfig
+from graphrt.kernels.metadata import AttentionMetadata
+from graphrt.step import Step
+
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets of one bucket's fields in the arena (see the module doc)."""
+
+    num_seqs: int
+    num_tokens: int
+    max_ranges: int
+    max_blocks: int
+    offsets: dict
+    block_table_offset: int
+
+    @staticmethod
+    def make(num_seqs: int, num_tokens: int, max_ranges: int, max_blocks: int) -> "Layout":
+        fields = [("slot_mapping", 8 * num_tokens), ("positions", 8 * num_tokens), ("input_ids", 8 * num_tokens),
+                  ("query_start_loc", 4 * (num_seqs + 1)), ("seq_lens", 4 * num_seqs),
+                  ("prefix_ranges", 4 * num_seqs * max_ranges * 2)]
+        offsets, at = {}, 0
+        for name, nbytes in fields:
+            offsets[name] = at
+            at += -(-nbytes // _ALIGN) * _ALIGN
+        return Layout(num_seqs, num_tokens, max_ranges, max_blocks, offsets, at)
+
+    @property
+    def nbytes(self) -> int:
+        return self.block_table_offset + 4 * self.max_blocks * self.num_seqs
+
+    def copy_bytes(self, block_columns: int) -> int:
+        """Bytes a step must copy when its sequences use ``block_columns`` block-table columns."""
+        return self.block_table_offset + 4 * block_columns * self.num_seqs
+
+    def views(self, flat):
+        """Typed views of every field over ``flat``, a uint8 torch tensor or numpy array."""
+        lib = _TORCH if isinstance(flat, torch.Tensor) else _NUMPY
+        s, t, o = self.num_seqs, self.num_tokens, self.offsets
+
+        def view(name: str, itemsize: int, count: int):
+            return flat[o[name]: o[name] + count * itemsize].view(lib[itemsize])
+
+        bt = flat[self.block_table_offset: self.nbytes].view(lib[4]).reshape(self.max_blocks, s)
+        return dict(
+            slot_mapping=view("slot_mapping", 8, t),
+            positions=view("positions", 8, t),
+            input_ids=view("input_ids", 8, t),
+            query_start_loc=view("query_start_loc", 4, s + 1),
+            seq_lens=view("seq_lens", 4, s),
+            prefix_ranges=view("prefix_ranges", 4, s * self.max_ranges * 2).reshape(s, self.max_ranges, 2),
+            block_table=bt.T,                                     # [S, B], strides (1, S)
+        )
+
+
+_TORCH = {4: torch.int32, 8: torch.int64}
+_NUMPY = {4: np.int32, 8: np.int64}
+
+
+@dataclass
+class DeviceViews:
+    """What a captured step reads: the bucket's metadata and its per-token inputs."""
+
+    layout: Layout
+    meta: AttentionMetadata
+    positions: torch.Tensor      # [T] int64
+    input_ids: torch.Tensor      # [T] int64
+
+
+class StepBuffers:
+    """Owns the device arena and its pinned staging ring; nothing else on the step path
+    allocates. ``stage`` packs a validated step into the next free staging slot and issues
+    the step's single non-blocking copy on the current stream."""
+
+    def __init__(self, cfg: RuntimeConfig, device: torch.device | str, *, ring: int = 3):
+        if ring < 2:
+            raise ValueError(f"ring must be >= 2 so the host can stage ahead, got {ring}")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.capacity = self.layout(cfg.max_num_seqs, cfg.max_num_tokens)
+        nbytes = self.capacity.nbytes
+        pin = self.device.type == "cuda"
+        self.arena = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(ring)]
+        self._staging_np = [s.numpy() for s in self.staging]
+        self._host_views: dict[tuple, dict[str, np.ndarray]] = {}
+        self._events: list[torch.cuda.Event | None] = [None] * ring
+        self._next = 0
+        self.last_copy_bytes = 0
+
+    def layout(self, num_seqs: int, num_tokens: int) -> Layout:
+        return Layout.make(num_seqs, num_tokens, self.cfg.max_prefix_ranges, self.cfg.max_blocks_per_seq)
+
+    def device_views(self, layout: Layout) -> DeviceViews:
+        v = layout.views(self.arena)
+        meta = AttentionMetadata(query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"],
+                                 block_table=v["block_table"], prefix_ranges=v["prefix_ranges"],
+                                 slot_mapping=v["slot_mapping"])
+        return DeviceViews(layout, meta, v["positions"], v["input_ids"])
+
+    def pack(self, step: Step, layout: Layout, input_ids: np.ndarray | None = None) -> int:
+        """Write ``step`` (validated, fitting ``layout``) into the next free pinned slot and
+        return the slot. Waits on the GPU only when every slot still has a copy in flight,
+        that is when the host is ``ring`` steps ahead."""
+        slot = self._next
+        self._next = (slot + 1) % len(self.staging)
+        event = self._events[slot]
+        if event is not None and not event.query():   # query() does not block; a slot still in flight does
+            event.synchronize()
+        key = (layout.num_seqs, layout.num_tokens, slot)
+        v = self._host_views.get(key)
+        if v is None:
+            v = self._host_views[key] = layout.views(self._staging_np[slot])
+        step.pack(self.cfg.block_size, query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"],
+                  block_table=v["block_table"], prefix_ranges=v["prefix_ranges"],
+                  slot_mapping=v["slot_mapping"], positions=v["positions"])
+        ids = v["input_ids"]
+        n = step.num_tokens
+        if input_ids is None:
+            ids[:] = 0
+        else:
+            ids[:n] = input_ids
+            ids[n:] = 0
+        return slot
+
+    def copy(self, slot: int, nbytes: int, *, strict: bool = False) -> int:
+        """The step's one host-to-device copy: the first ``nbytes`` of ``slot`` into the
+        arena, non-blocking on the current stream; an event marks when the slot is free."""
+        source = self.staging[slot]
+        if strict and not source.is_pinned():
+            raise RuntimeError("graphrt strict mode: the staging copy source is pageable; that copy would "
+                               "synchronise the host with the GPU")
+        self.arena[:nbytes].copy_(source[:nbytes], non_blocking=True)
+        if self.device.type == "cuda":
+            event = self._events[slot]
+            if event is None:
+                event = self._events[slot] = torch.cuda.Event()
+            event.record()
+        return nbytes
+
+    def stage_empty(self, layout: Layout) -> None:
+        """An all-padding step (no tokens, slots -1): what warm-up and capture run on."""
+        v = layout.views(self.arena)
+        v["query_start_loc"].zero_()
+        v["seq_lens"].zero_()
+        v["prefix_ranges"].zero_()
+        v["block_table"].zero_()
+        v["slot_mapping"].fill_(-1)
+        v["positions"].zero_()
+        v["input_ids"].zero_()
+

@@ -1,0 +1,229 @@
+"""The runtime: stage -> one pinned copy -> replay (or run eagerly), per step.
+
+    rt = graphrt.Runtime(cfg, model_step, num_layers=2)
+    rt.capture()                          # CUDA only; without it every step runs eagerly
+    out = rt.step(step, input_ids)        # the first step.num_tokens rows are this step's
+
+``model_step(ctx)`` is the user's forward: it reads ``ctx.input_ids`` / ``ctx.positions``
+(static [T] int64 tensors of the bucket), calls ``ctx.attention(layer, q, k, v, ...)`` in
+each layer (KV-cache write + paged attention) and returns its outputs. Under a graph the
+outputs are static tensors, overwritten by the next replay of the same bucket: consume
+them (on the same stream) before then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from graphrt.buffers import DeviceViews, Layout, StepBuffers
+from graphrt.config import RuntimeConfig
+from graphrt.kernels import paged_attention, split_workspace, write_kv
+from graphrt.step import Step
+from graphrt.tracing import Tracer
+from graphrt.capture import Bucket, CapturedGraph, GraphSet, default_buckets, make_buckets
+
+
+class StepContext:
+    """What a model step sees: the bucket's static device inputs and graphrt attention."""
+
+    def __init__(self, runtime: "Runtime", views: DeviceViews, *, max_query_len: int | None, num_splits: int):
+        self.meta = views.meta                    # AttentionMetadata of the bucket
+        self.input_ids = views.input_ids          # [T] int64
+        self.positions = views.positions          # [T] int64
+        self.num_tokens = views.layout.num_tokens  # T: token capacity of this bucket
+        self.num_seqs = views.layout.num_seqs     # S: sequence capacity of this bucket
+        self._rt = runtime
+        self._max_query_len = max_query_len
+        self._num_splits = num_splits
+        self._workspace = None
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """[S] int64 row of each sequence's last new token (where its next token is sampled);
+        padded sequences point at row 0 or the step's last row."""
+        return (self.meta.query_start_loc[1:] - 1).clamp_min(0).long()
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                  window: int | None = None, composition: str = "gemma3", softcap: float | None = None) -> torch.Tensor:
+        """Write k, v ([T, Hkv, D]) into layer's cache, then attend q ([T, Hq, D]) over it.
+        Returns [T, Hq, D]; rows past the step's tokens are unspecified."""
+        rt = self._rt
+        write_kv(k, v, rt.k_caches[layer], rt.v_caches[layer], self.meta)
+        out = torch.empty_like(q)
+        if self._num_splits > 1 and self._workspace is None:
+            self._workspace = split_workspace(self.num_tokens, q.shape[1], q.shape[2], self._num_splits, q.device)
+        return paged_attention(q, rt.k_caches[layer], rt.v_caches[layer], out, self.meta, scale=scale, window=window,
+                               composition=composition, softcap=softcap, num_splits=self._num_splits,
+                               workspace=self._workspace, max_query_len=self._max_query_len)
+
+
+@dataclass
+class StepInfo:
+    """How the last step ran."""
+
+    mode: str                   # "replay" or "eager"
+    bucket: Bucket | None
+    num_seqs: int
+    num_tokens: int
+    copy_bytes: int
+
+
+class Runtime:
+    """Static buffers + KV caches + captured graphs for one model step function.
+
+    cfg:        capacities and attention shape. num_layers: KV caches to allocate.
+    device:     "cuda" (default when available) or "cpu" (eager, Triton interpreter).
+    kv_caches:  optional (k_caches, v_caches) lists to use instead of allocating.
+    ring:       pinned staging slots (>= 2): how many steps the host may run ahead.
+    strict:     run stage + copy + replay under ``torch.cuda.set_sync_debug_mode("error")``
+                and refuse a pageable copy source (off by default).
+    nvtx:       emit NVTX ranges in the ``graphrt`` domain (off by default).
+    """
+
+    def __init__(self, cfg: RuntimeConfig, model_step: Callable[[StepContext], Any], *, num_layers: int,
+                 device: torch.device | str | None = None,
+                 kv_caches: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None, ring: int = 3,
+                 strict: bool = False, nvtx: bool = False):
+        if not isinstance(cfg, RuntimeConfig):
+            raise TypeError(f"cfg must be a RuntimeConfig, got {type(cfg).__name__}")
+        if not callable(model_step):
+            raise TypeError("model_step must be callable as model_step(ctx)")
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        self.cfg = cfg
+        self.model_step = model_step
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.buffers = StepBuffers(cfg, self.device, ring=ring)
+        shape = (cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        if kv_caches is None:
+            self.k_caches = [torch.zeros(shape, dtype=cfg.dtype, device=self.device) for _ in range(num_layers)]
+            self.v_caches = [torch.zeros(shape, dtype=cfg.dtype, device=self.device) for _ in range(num_layers)]
+        else:
+            self.k_caches, self.v_caches = list(kv_caches[0]), list(kv_caches[1])
+            for name, caches in (("k_caches", self.k_caches), ("v_caches", self.v_caches)):
+                if len(caches) != num_layers:
+                    raise ValueError(f"kv_caches {name} has {len(caches)} layers, num_layers is {num_layers}")
+                for i, c in enumerate(caches):
+                    if tuple(c.shape) != shape or c.dtype != cfg.dtype or c.device != self.device:
+                        raise ValueError(f"kv_caches {name}[{i}] must be {shape} {cfg.dtype} on {self.device}, "
+                                         f"got {tuple(c.shape)} {c.dtype} on {c.device}")
+        self.strict = strict
+        self.tracer = Tracer(nvtx)
+        self.graphs = GraphSet(self._guarded) if self.device.type == "cuda" else None
+        self.last: StepInfo | None = None
+        self._layouts: dict[Bucket, Layout] = {}
+        self._contexts: dict[Bucket, StepContext] = {}
+
+    # ---------------------------------------------------------------- capture
+    def capture(self, decode_buckets: Sequence[int] | None = None, mixed_buckets: Sequence[int] | None = None, *,
+                progress: Callable[[CapturedGraph], None] | None = None) -> list[CapturedGraph]:
+        """Capture one graph per bucket (defaults: ``capture.default_buckets``), largest
+        first, in one memory pool. Decode buckets count sequences, mixed buckets tokens.
+        A no-op returning [] on CPU."""
+        if self.graphs is None:
+            return []
+        cfg = self.cfg
+        default_decode, default_mixed = default_buckets(cfg.max_num_seqs, cfg.max_num_tokens)
+        buckets = make_buckets(list(default_decode if decode_buckets is None else decode_buckets),
+                               list(default_mixed if mixed_buckets is None else mixed_buckets),
+                               cfg.max_num_seqs, cfg.max_num_tokens)
+
+        def prepare(bucket: Bucket) -> Callable[[], Any]:
+            layout = self._layouts.setdefault(bucket, self.buffers.layout(bucket.num_seqs, bucket.num_tokens))
+            self.buffers.stage_empty(layout)
+            ctx = StepContext(self, self.buffers.device_views(layout), max_query_len=bucket.max_query_len,
+                              num_splits=self._splits_for(bucket))
+            self._contexts[bucket] = ctx
+            return lambda: self.model_step(ctx)
+
+        self.graphs.capture(buckets, prepare, trace=self.tracer, progress=progress)
+        return [self.graphs.graphs[b] for b in sorted(buckets, reverse=True)]
+
+    def _splits_for(self, bucket: Bucket) -> int:
+        """Split-KV factor of a bucket, fixed at capture: decode buckets too small to fill
+        the GPU (sequences x KV heads < 2 waves of programs) split each context; the split
+        lengths then follow the contexts on the device."""
+        if bucket.kind != "decode" or self.device.type != "cuda":
+            return 1
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return max(1, min(16, (2 * sms) // (bucket.num_seqs * self.cfg.num_kv_heads)))
+
+    def _guarded(self) -> list[tuple[str, torch.Tensor]]:
+        pairs = [("arena", self.buffers.arena)]
+        pairs += [(f"k_caches[{i}]", t) for i, t in enumerate(self.k_caches)]
+        pairs += [(f"v_caches[{i}]", t) for i, t in enumerate(self.v_caches)]
+        if isinstance(self.model_step, torch.nn.Module):
+            pairs += list(self.model_step.named_parameters()) + list(self.model_step.named_buffers())
+        return pairs
+
+    # ---------------------------------------------------------------- step
+    def step(self, step: Step, input_ids: Any = None) -> Any:
+        """Run one step. ``input_ids``: the step's token ids, [num_tokens] ints on the host
+        (list, numpy, CPU tensor) or a device tensor (copied device-to-device), or None.
+        Validates everything before touching a buffer; returns the step function's outputs."""
+        if not isinstance(step, Step):
+            raise TypeError(f"step must be a graphrt.Step, got {type(step).__name__}")
+        step.validate(self.cfg)
+        host_ids, device_ids = _check_input_ids(input_ids, step.num_tokens, self.device)
+        captured = self.graphs.pick(step.num_seqs, step.num_tokens, step.is_decode) if self.graphs else None
+        if captured is not None:
+            self.graphs.check_guard()
+        strict = self.strict and self.device.type == "cuda"
+        sync_mode = _sync_debug_error() if strict else contextlib.nullcontext()
+        with sync_mode:
+            if captured is not None:
+                bucket = captured.bucket
+                layout, ctx = self._layouts[bucket], self._contexts[bucket]
+            else:
+                bucket, layout = None, self.buffers.layout(step.num_seqs, step.num_tokens)
+                ctx = StepContext(self, self.buffers.device_views(layout), max_query_len=None, num_splits=1)
+            nbytes = layout.copy_bytes(int(step.block_counts.max()))
+            tr = self.tracer
+            with tr.range("stage", bucket=bucket, seqs=step.num_seqs, tokens=step.num_tokens):
+                slot = self.buffers.pack(step, layout, host_ids)
+            with tr.range("copy", bytes=nbytes):
+                self.buffers.copy(slot, nbytes, strict=strict)
+                if device_ids is not None:
+                    ctx.input_ids[: step.num_tokens].copy_(device_ids, non_blocking=True)
+            if captured is not None:
+                with tr.range("replay", bucket=bucket, seqs=step.num_seqs, tokens=step.num_tokens):
+                    outputs = self.graphs.replay(captured)
+            else:
+                with tr.range("eager", seqs=step.num_seqs, tokens=step.num_tokens):
+                    outputs = self.model_step(ctx)
+        self.last = StepInfo("replay" if captured is not None else "eager", bucket, step.num_seqs, step.num_tokens,
+                             nbytes)
+        return outputs
+
+
+def _check_input_ids(input_ids: Any, num_tokens: int, device: torch.device):
+    """(host array or None, device tensor or None), after checking length and dtype."""
+    if input_ids is None:
+        return None, None
+    if isinstance(input_ids, torch.Tensor) and input_ids.device.type != "cpu":
+        if input_ids.device != device:
+            raise ValueError(f"input_ids is on {input_ids.device}, the runtime on {device}")
+        if input_ids.dtype not in (torch.int32, torch.int64) or input_ids.shape != (num_tokens,):
+            raise ValueError(f"input_ids must be [{num_tokens}] int32/int64, got {tuple(input_ids.shape)} "
+                             f"{input_ids.dtype}")
+        return None, input_ids
+    ids = input_ids.numpy() if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids)
+    if ids.dtype.kind not in "iu" or ids.shape != (num_tokens,):
+        raise ValueError(f"input_ids must be {num_tokens} integers (the step's tokens), got shape {ids.shape} "
+                         f"dtype {ids.dtype}")
+    return ids, None
+
+
+@contextlib.contextmanager
+def _sync_debug_error():
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
