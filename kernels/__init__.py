@@ -3,7 +3,7 @@
 Every launcher reads per-step values from an ``AttentionMetadata`` of device tensors and
 sizes its grid from capacities, so a launch can be captured in a CUDA graph once and
 replayed for any step that fits. On CPU tensors the kernels run under Triton's
-interpreter: set ``TRITON_INTERPRET=1`` before the first kernel is used.
+interpreter: set ``TRITON_INTERPRET=1`` before ``triton`` is first imported.
 
 The kernel modules load on first use: Triton picks compiled or interpreted kernels when
 they are defined, and this keeps ``import graphrt`` from making that choice early (the

@@ -33,6 +33,6 @@ def check_runnable(device: torch.device) -> None:
     """Triton compiles for CUDA devices; CPU tensors need its interpreter."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise RuntimeError("graphrt kernels on CPU tensors run under Triton's interpreter: set "
-                           "TRITON_INTERPRET=1 before graphrt.kernels is first imported")
+                           "TRITON_INTERPRET=1 before triton is first imported")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"graphrt kernels run on cuda (or cpu through the interpreter), got {device}")
