@@ -21,6 +21,7 @@ past its sequence's length, so columns left over from older steps are harmless.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,6 +117,7 @@ class StepBuffers:
         self._host_views: dict[tuple, dict[str, np.ndarray]] = {}
         self._events: list[torch.cuda.Event | None] = [None] * ring
         self._next = 0
+        self.wait_seconds = 0.0      # host time spent waiting for a free slot (back-pressure)
         self.last_copy_bytes = 0
 
     def layout(self, num_seqs: int, num_tokens: int) -> Layout:
@@ -136,7 +138,9 @@ class StepBuffers:
         self._next = (slot + 1) % len(self.staging)
         event = self._events[slot]
         if event is not None and not event.query():   # query() does not block; a slot still in flight does
+            t0 = time.perf_counter()
             event.synchronize()
+            self.wait_seconds += time.perf_counter() - t0
         key = (layout.num_seqs, layout.num_tokens, slot)
         v = self._host_views.get(key)
         if v is None:
