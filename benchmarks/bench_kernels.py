@@ -49,10 +49,13 @@ def replay_ms(fn, *, iters: int = 50) -> float:
 
 
 def ceilings() -> dict:
-    src = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda").random_()
+    """Device-to-device copy bandwidth (bytes read + written; the best of a memcpy and a
+    copy kernel over 4 GiB) and the bf16 matmul rate on random data."""
+    src = torch.empty(2 * 1024 ** 3, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    ms = replay_ms(lambda: dst.copy_(src), iters=20)
-    copy_tbps = 2 * src.numel() / ms / 1e9
+    nbytes = 2 * src.numel() * src.element_size()
+    copy_tbps = max(nbytes / replay_ms(lambda: dst.copy_(src), iters=20) / 1e9,
+                    nbytes / replay_ms(lambda: torch.mul(src, 1, out=dst), iters=20) / 1e9)
     del src, dst
     a = torch.randn(8192, 8192, device="cuda", dtype=DT)
     b = torch.randn(8192, 8192, device="cuda", dtype=DT)
