@@ -10,7 +10,8 @@ __version__ = "0.1.0"
 
 # The runtime imports the kernels, and Triton fixes compiled vs interpreted mode when they
 # are defined; loading it on first use lets `import graphrt` happen before that choice.
-_LAZY = {"Runtime": "graphrt.runtime", "StepContext": "graphrt.runtime", "StepInfo": "graphrt.runtime"}
+_LAZY = {"Runtime": "graphrt.runtime", "StepContext": "graphrt.runtime", "StepInfo": "graphrt.runtime",
+         "ReferenceRunner": "graphrt.checking"}
 
 __all__ = ["AttentionMetadata", "RuntimeConfig", "SeqStep", "Step", "build_metadata", "validate_ranges", *_LAZY]
 

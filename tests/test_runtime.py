@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from _cases import TOL, assert_close, fresh_seed, rngs
-from _model import ReferenceRun, random_step
+from _model import random_step
+from graphrt.checking import ReferenceRunner
 from graphrt import Runtime, RuntimeConfig, SeqStep, Step
 from graphrt.buffers import Layout, StepBuffers
 from graphrt.toy import ToyModel
@@ -102,7 +103,7 @@ def run_against_reference(device, dtype, steps: int, *, capture: bool, seed: int
     rt = Runtime(cfg, model, num_layers=2, device=device)
     captured = rt.capture(decode_buckets=[1, 2, 4, 8], mixed_buckets=[16, 64, 128]) if capture else []
     eager = Runtime(cfg, model, num_layers=2, device=device) if capture else None
-    ref = ReferenceRun(cfg, model, 2, device)
+    ref = ReferenceRunner(cfg, model, num_layers=2, device=device).step
     seen = set()
     pending = []
     for i in range(steps):
@@ -167,7 +168,7 @@ def test_host_runs_ahead():
     model = ToyModel(cfg, num_layers=2, hidden=128, vocab=64, device=device, seed=seed)
     rt = Runtime(cfg, model, num_layers=2, device=device, ring=2)
     rt.capture(decode_buckets=[8], mixed_buckets=[128])
-    ref = ReferenceRun(cfg, model, 2, device)
+    ref = ReferenceRunner(cfg, model, num_layers=2, device=device).step
     steps = [random_step(rng, cfg, num_seqs=int(rng.integers(1, 9)), decode=bool(i % 2)) for i in range(6)]
     ids = [rng.integers(0, 64, s.num_tokens) for s in steps]
     torch.cuda.synchronize()
@@ -180,6 +181,8 @@ def test_host_runs_ahead():
 @pytest.mark.gpu
 def test_one_pinned_copy_and_no_sync_per_step():
     from torch.profiler import ProfilerActivity, profile, record_function
+
+    from graphrt.profiling import count_transfers
 
     seed = fresh_seed()
     device = torch.device("cuda")
@@ -198,15 +201,11 @@ def test_one_pinned_copy_and_no_sync_per_step():
                 rt.step(s, i)
                 assert rt.last.mode == "replay"
         torch.cuda.synchronize()
-    events = prof.events()
-    (window,) = [e.time_range for e in events if e.name == "graphrt_steps" and e.device_type.name == "CPU"]
-    names = [e.name for e in events]
-    pinned = sum("Memcpy HtoD (Pinned -> Device)" in n for n in names)
-    pageable = sum("Pageable" in n for n in names)
-    syncs = [e.name for e in events if "Synchronize" in e.name and window.start <= e.time_range.start <= window.end]
-    assert pinned == len(steps), f"{pinned} pinned HtoD copies over {len(steps)} steps"
-    assert pageable == 0, f"{pageable} pageable copies"
-    assert not syncs, f"host syncs while stepping: {syncs}"
+    seen = count_transfers(prof, "graphrt_steps")
+    assert seen.regions == 1
+    assert seen.h2d_pinned == len(steps), f"{seen.h2d_pinned} pinned HtoD copies over {len(steps)} steps"
+    assert seen.h2d_pageable == 0, f"{seen.h2d_pageable} pageable copies"
+    assert seen.syncs == 0, f"{seen.syncs} host syncs while stepping"
 
 
 @pytest.mark.gpu

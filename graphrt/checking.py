@@ -1,0 +1,48 @@
+"""Check a model step against float64 reference attention, independently of the runtime.
+
+``ReferenceRunner`` runs the same ``model_step`` on its own KV caches, with metadata built
+straight from the Step (not through the runtime's staging) and attention from
+``graphrt.kernels.reference``. Feed it the steps you feed the runtime and compare outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from graphrt.config import RuntimeConfig
+from graphrt.kernels import reference
+from graphrt.step import Step, build_metadata
+
+
+class _ReferenceContext:
+    def __init__(self, runner: "ReferenceRunner", step: Step, input_ids):
+        self.meta, self.positions = build_metadata(step, runner.cfg, runner.device)
+        self.input_ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.int64, device=runner.device)
+        self.last_token_index = (self.meta.query_start_loc[1:] - 1).long()   # [S]
+        self.num_tokens, self.num_seqs = step.num_tokens, step.num_seqs
+        self._runner = runner
+
+    def attention(self, layer, q, k, v, *, scale=None, window=None, composition="gemma3", softcap=None):
+        r = self._runner
+        reference.write_kv(k, v, r.k_caches[layer], r.v_caches[layer], self.meta.slot_mapping)
+        out = reference.paged_attention(q, r.k_caches[layer], r.v_caches[layer], self.meta, scale=scale,
+                                        window=window, composition=composition, softcap=softcap)
+        return out.to(device=q.device, dtype=q.dtype)
+
+
+class ReferenceRunner:
+    """``model_step`` over its own caches ([num_blocks, block_size, Hkv, D] per layer, in
+    cfg.dtype), attention computed in float64 by the reference."""
+
+    def __init__(self, cfg: RuntimeConfig, model_step: Callable[[Any], Any], *, num_layers: int,
+                 device: torch.device | str = "cpu"):
+        shape = (cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.cfg, self.model_step, self.device = cfg, model_step, torch.device(device)
+        self.k_caches = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(num_layers)]
+
+    def step(self, step: Step, input_ids) -> Any:
+        return self.model_step(_ReferenceContext(self, step, input_ids))
