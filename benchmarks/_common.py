@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -13,9 +14,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def env() -> dict:
+    """Run facts. The commit comes from GRAPHRT_COMMIT when set (a copied tree without
+    git metadata), else from git."""
+    commit = os.environ.get("GRAPHRT_COMMIT")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          cwd=Path(__file__).parent).stdout.strip() or None
     except OSError:
         commit = None
     import triton

@@ -134,7 +134,8 @@ def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk:
     steps = len(host_s)
     print(f"done: {steps} steps, {prefill_tok} prefill + {decode_tok} decode tokens in {total:.2f} s "
           f"(with the reference check and profiler running alongside)")
-    print(f"  host time in rt.step: median {1e6 * np.median(host_s):.0f} us/step")
+    print(f"  host time in rt.step: median {1e6 * np.median(host_s):.0f} us/step"
+          f"{' (under the torch profiler)' if on_gpu else ''}")
     if on_gpu:
         print(f"  H2D copies: {seen.h2d_pinned} pinned, {seen.h2d_pageable} pageable over {steps} steps; "
               f"host syncs inside rt.step: {seen.syncs} (strict mode on)")
