@@ -182,7 +182,7 @@ class Runtime:
             else:
                 bucket, layout = None, self.buffers.layout(step.num_seqs, step.num_tokens)
                 ctx = StepContext(self, self.buffers.device_views(layout), max_query_len=None, num_splits=1)
-            nbytes = layout.copy_bytes(int(step.block_counts.max()))
+            nbytes = layout.copy_bytes(step.block_columns)
             tr = self.tracer
             with tr.range("stage", bucket=bucket, seqs=step.num_seqs, tokens=step.num_tokens):
                 slot = self.buffers.pack(step, layout, host_ids)

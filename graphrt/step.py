@@ -7,7 +7,7 @@ slices. A convention with inclusive ends (``[first, last]``) converts as
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -42,65 +42,106 @@ class SeqStep:
         return self.context_len + self.q_len
 
 
-@dataclass(frozen=True)
 class Step:
-    """A batch of SeqSteps, held as columns (numpy int64) for vectorised checks and packing."""
+    """A batch of sequences' shares of one step, held as dense numpy arrays (built once)
+    for vectorised checks and packing.
 
-    seqs: Sequence[SeqStep]
-    q_lens: np.ndarray = field(init=False, repr=False)          # [n]
-    context_lens: np.ndarray = field(init=False, repr=False)    # [n]
-    block_counts: np.ndarray = field(init=False, repr=False)    # [n]
-    block_ids: np.ndarray = field(init=False, repr=False)       # [sum(block_counts)]
-    range_counts: np.ndarray = field(init=False, repr=False)    # [n]
-    ranges: np.ndarray = field(init=False, repr=False)          # [sum(range_counts), 2]
+    ``Step(seqs)`` takes SeqSteps; ``Step.from_arrays(...)`` takes the columns directly,
+    for loops that already keep their block tables in numpy.
+    """
 
-    def __post_init__(self) -> None:
-        seqs = tuple(self.seqs)
+    __slots__ = ("q_lens", "context_lens", "block_table", "block_counts", "ranges", "range_counts",
+                 "num_tokens", "seq_lens", "is_decode", "block_columns")
+
+    def __init__(self, seqs: Sequence[SeqStep]):
+        seqs = tuple(seqs)
         for i, s in enumerate(seqs):
             if not isinstance(s, SeqStep):
                 raise TypeError(f"Step.seqs[{i}] must be a SeqStep, got {type(s).__name__}")
             if not _is_int(s.q_len) or not _is_int(s.context_len):
                 raise TypeError(f"seq {i}: q_len and context_len must be ints, got "
                                 f"{type(s.q_len).__name__} and {type(s.context_len).__name__}")
-        try:
-            block_counts = np.fromiter((len(s.block_ids) for s in seqs), np.int64, len(seqs))
-            block_ids = np.concatenate([np.asarray(s.block_ids, dtype=np.int64).reshape(-1) for s in seqs]
-                                       or [np.zeros(0, np.int64)])
-            range_arrays = [np.asarray(s.prefix_ranges, dtype=np.int64).reshape(-1, 2) for s in seqs]
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"Step: block_ids must be ints and prefix_ranges (start, end) pairs of ints ({exc})") from None
-        for name, value in (
-            ("seqs", seqs),
-            ("q_lens", np.fromiter((s.q_len for s in seqs), np.int64, len(seqs))),
-            ("context_lens", np.fromiter((s.context_len for s in seqs), np.int64, len(seqs))),
-            ("block_counts", block_counts),
-            ("block_ids", block_ids),
-            ("range_counts", np.fromiter((len(r) for r in range_arrays), np.int64, len(seqs))),
-            ("ranges", np.concatenate(range_arrays or [np.zeros((0, 2), np.int64)])),
-        ):
-            object.__setattr__(self, name, value)
+        n = len(seqs)
+        block_table, block_counts = _padded([s.block_ids for s in seqs], (), "block_ids")
+        ranges, range_counts = _padded([s.prefix_ranges for s in seqs], (2,), "prefix_ranges")
+        self._set(np.fromiter((s.q_len for s in seqs), np.int64, n),
+                  np.fromiter((s.context_len for s in seqs), np.int64, n),
+                  block_table, block_counts, ranges, range_counts)
+
+    @classmethod
+    def from_arrays(cls, *, q_lens, context_lens, block_table, block_counts=None, prefix_ranges=None,
+                    range_counts=None) -> "Step":
+        """q_lens, context_lens: [n] ints. block_table: [n, W] ints, row i holding sequence
+        i's blocks in order (block_counts: [n] valid entries per row, default
+        ceil(seq_len / block_size) at validation, i.e. the row's needed blocks).
+        prefix_ranges: [n, R, 2] half-open ranges, the first range_counts[i] of row i used
+        (default: the rows' non-empty ranges, which must then come first)."""
+        q = np.asarray(q_lens)
+        c = np.asarray(context_lens)
+        table = np.asarray(block_table)
+        for name, a, dim in (("q_lens", q, 1), ("context_lens", c, 1), ("block_table", table, 2)):
+            if a.dtype.kind not in "iu" or a.ndim != dim:
+                raise TypeError(f"Step.from_arrays: {name} must be a {dim}-d integer array, got {a.dtype} {a.shape}")
+        n = q.shape[0]
+        if c.shape != (n,) or table.shape[0] != n:
+            raise ValueError(f"Step.from_arrays: q_lens {q.shape}, context_lens {c.shape} and block_table "
+                             f"{table.shape} must agree on the number of sequences")
+        counts = None if block_counts is None else np.asarray(block_counts, dtype=np.int64).reshape(n)
+        if prefix_ranges is None:
+            ranges, rcounts = np.zeros((n, 0, 2), np.int64), np.zeros(n, np.int64)
+        else:
+            ranges = np.asarray(prefix_ranges, dtype=np.int64).reshape(n, -1, 2)
+            rcounts = (np.asarray(range_counts, dtype=np.int64).reshape(n) if range_counts is not None
+                       else (ranges[:, :, 1] > ranges[:, :, 0]).sum(axis=1))
+            ranges = np.where((np.arange(ranges.shape[1]) < rcounts[:, None])[:, :, None], ranges, 0)  # unused: empty
+        step = cls.__new__(cls)
+        step._set(q.astype(np.int64), c.astype(np.int64), table.astype(np.int64, copy=False), counts, ranges, rcounts)
+        return step
+
+    def _set(self, q_lens, context_lens, block_table, block_counts, ranges, range_counts) -> None:
+        self.q_lens = q_lens                  # [n] new tokens
+        self.context_lens = context_lens      # [n] cached tokens
+        self.block_table = block_table        # [n, W] blocks, rows padded with 0
+        self.block_counts = block_counts      # [n] valid entries per row (None: the needed ones)
+        self.ranges = ranges                  # [n, R, 2] half-open, rows padded with (0, 0)
+        self.range_counts = range_counts      # [n] ranges per sequence
+        self.seq_lens = context_lens + q_lens
+        self.num_tokens = int(q_lens.sum())
+        self.is_decode = bool(q_lens.max(initial=0) == 1 and q_lens.min(initial=1) == 1)
+        # block-table columns in use (what the runtime copies); validate() narrows it when
+        # from_arrays left the counts to be derived
+        self.block_columns = int(block_counts.max(initial=0)) if block_counts is not None else block_table.shape[1]
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.q_lens.sum())
-
-    @property
-    def seq_lens(self) -> np.ndarray:
-        return self.context_lens + self.q_lens
-
-    @property
-    def is_decode(self) -> bool:
-        return bool((self.q_lens == 1).all())
+        return self.q_lens.shape[0]
 
     def validate(self, cfg: RuntimeConfig) -> None:
-        """Raise ValueError naming the sequence (and range) that breaks a limit of ``cfg``."""
+        """Raise ValueError naming the sequence (and range) that breaks a limit of ``cfg``.
+        One pass of cheap reductions; the messages come from ``_diagnose`` on failure."""
         n = self.num_seqs
         if not 1 <= n <= cfg.max_num_seqs:
             raise ValueError(f"Step has {n} sequences; allowed 1..max_num_seqs={cfg.max_num_seqs}")
+        if self.block_counts is None:
+            self.block_counts = -(-self.seq_lens // cfg.block_size)
+        table = self.block_table
+        r = self.ranges
+        ok = (self.q_lens.min() >= 1 and self.context_lens.min() >= 0 and self.num_tokens <= cfg.max_num_tokens
+              and self.seq_lens.max() <= cfg.max_model_len
+              and (self.block_counts * cfg.block_size >= self.seq_lens).all()
+              and self.block_counts.max() <= min(cfg.max_blocks_per_seq, table.shape[1])
+              and (table.size == 0 or (table.min() >= 0 and table.max() < cfg.num_blocks))
+              and self.range_counts.max() <= cfg.max_prefix_ranges)
+        if ok and r.shape[1]:
+            used = np.arange(r.shape[1]) < self.range_counts[:, None]          # [n, R]
+            s, e = r[:, :, 0], r[:, :, 1]
+            ok = bool(((e > s) & (s >= 0) & (e <= self.seq_lens[:, None]) | ~used).all()
+                      and ((s[:, 1:] >= e[:, :-1]) | ~used[:, 1:]).all())
+        if not ok:
+            self._diagnose(cfg)     # raises, unless the fast checks were only conservative
+        self.block_columns = int(self.block_counts.max())
+
+    def _diagnose(self, cfg: RuntimeConfig) -> None:
         _first_bad(self.q_lens < 1, "q_len must be >= 1, got {}", self.q_lens)
         _first_bad(self.context_lens < 0, "context_len must be >= 0, got {}", self.context_lens)
         if self.num_tokens > cfg.max_num_tokens:
@@ -108,20 +149,21 @@ class Step:
         seq_lens = self.seq_lens
         _first_bad(seq_lens > cfg.max_model_len, f"context_len + q_len = {{}} exceeds max_model_len={cfg.max_model_len}",
                    seq_lens)
-        needed = -(-seq_lens // cfg.block_size)
-        _first_bad(self.block_counts < needed,
+        _first_bad(self.block_counts * cfg.block_size < seq_lens,
                    f"has {{}} block_ids, fewer than the ceil(seq_len / {cfg.block_size}) its seq_len needs",
                    self.block_counts)
-        _first_bad(self.block_counts > cfg.max_blocks_per_seq,
-                   f"has {{}} block_ids, more than max_blocks_per_seq={cfg.max_blocks_per_seq}", self.block_counts)
-        owner = np.repeat(np.arange(n), self.block_counts)
-        bad = (self.block_ids < 0) | (self.block_ids >= cfg.num_blocks)
+        _first_bad(self.block_counts > min(cfg.max_blocks_per_seq, self.block_table.shape[1]),
+                   f"has {{}} block_ids, more than max_blocks_per_seq={cfg.max_blocks_per_seq} (or its row)",
+                   self.block_counts)
+        used = np.arange(self.block_table.shape[1]) < self.block_counts[:, None]
+        bad = used & ((self.block_table < 0) | (self.block_table >= cfg.num_blocks))
         if bad.any():
-            j = int(np.argmax(bad))
-            raise ValueError(f"seq {owner[j]}: block id {self.block_ids[j]} is outside [0, num_blocks={cfg.num_blocks})")
+            i, j = np.argwhere(bad)[0]
+            raise ValueError(f"seq {i}: block id {self.block_table[i, j]} is outside [0, num_blocks={cfg.num_blocks})")
         _first_bad(self.range_counts > cfg.max_prefix_ranges,
                    f"has {{}} prefix ranges, more than max_prefix_ranges={cfg.max_prefix_ranges}", self.range_counts)
-        validate_ranges(self.ranges, self.range_counts, seq_lens)
+        r_used = np.arange(self.ranges.shape[1]) < self.range_counts[:, None]
+        validate_ranges(self.ranges[r_used], self.range_counts, seq_lens)
 
     def pack(self, block_size: int, *, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
              prefix_ranges: np.ndarray, slot_mapping: np.ndarray, positions: np.ndarray | None = None) -> None:
@@ -129,7 +171,7 @@ class Step:
 
         Padded sequences get no tokens (query_start_loc repeats the total) and seq_len 0;
         padded tokens get slot -1. Only what the kernels read is written: block-table
-        entries past a sequence's blocks and rows of padded sequences keep old values.
+        entries past the step's columns and rows of padded sequences keep old values.
         """
         n, total = self.num_seqs, self.num_tokens
         qsl = query_start_loc
@@ -138,22 +180,40 @@ class Step:
         qsl[n + 1 :] = total
         seq_lens[:n] = self.seq_lens
         seq_lens[n:] = 0
-        owner = np.repeat(np.arange(n), self.block_counts)
-        col = np.arange(self.block_ids.shape[0]) - np.repeat(np.cumsum(self.block_counts) - self.block_counts,
-                                                               self.block_counts)
-        block_table[owner, col] = self.block_ids
+        w = self.block_columns
+        block_table[:n, :w] = self.block_table[:, :w]
         prefix_ranges[:n] = 0
-        r_owner = np.repeat(np.arange(n), self.range_counts)
-        r_col = np.arange(self.ranges.shape[0]) - np.repeat(np.cumsum(self.range_counts) - self.range_counts,
-                                                             self.range_counts)
-        prefix_ranges[r_owner, r_col] = self.ranges
-        tok_seq = np.repeat(np.arange(n), self.q_lens)                          # [total]
-        pos = self.context_lens[tok_seq] + np.arange(total) - qsl[tok_seq]
-        slot_mapping[:total] = block_table[tok_seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        r = min(self.ranges.shape[1], prefix_ranges.shape[1])      # slots past the counts are empty
+        prefix_ranges[:n, :r] = self.ranges[:, :r]
+        if self.is_decode:
+            tok_seq, pos = np.arange(n), self.context_lens
+        else:
+            tok_seq = np.repeat(np.arange(n), self.q_lens)                        # [total]
+            pos = self.context_lens[tok_seq] + np.arange(total) - qsl[tok_seq]
+        slot_mapping[:total] = self.block_table[tok_seq, pos // block_size] * block_size + pos % block_size
         slot_mapping[total:] = -1
         if positions is not None:
             positions[:total] = pos
             positions[total:] = 0
+
+
+def _padded(rows: list, item_shape: tuple, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged rows of ints (or of pairs) as a zero-padded int64 array and the row lengths.
+    Padding Python lists and converting once is the cheapest route from lists (~30 ns an
+    int); callers with numpy block tables should use ``Step.from_arrays``."""
+    counts = np.fromiter(map(len, rows), np.int64, len(rows))
+    width = int(counts.max(initial=0))
+    pad = [0] if not item_shape else [(0,) * item_shape[0]]
+    try:
+        out = np.array([list(r) + pad * (width - len(r)) for r in rows])
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"Step: {name} must be lists of ints{' pairs' if item_shape else ''} ({exc})") from None
+    if width == 0:
+        return np.zeros((len(rows), 0, *item_shape), np.int64), counts
+    if out.dtype.kind not in "iu" or out.shape[2:] != item_shape:
+        raise TypeError(f"Step: {name} must hold ints{' as (start, end) pairs' if item_shape else ''}, "
+                        f"got {out.dtype} items of shape {out.shape[2:]}")
+    return out.astype(np.int64, copy=False), counts
 
 
 def _first_bad(bad: np.ndarray, message: str, values: np.ndarray) -> None:

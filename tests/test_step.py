@@ -105,3 +105,42 @@ def test_config_rejects(field, value):
     fields[field] = value
     with pytest.raises(ValueError, match=field):
         RuntimeConfig(**fields)
+
+
+def test_from_arrays_packs_like_seqsteps():
+    seed = fresh_seed()
+    rng, _ = rngs(seed)
+    seqs = random_seqs(rng, 5, max_q=20, max_ctx=100, max_ranges=CFG.max_prefix_ranges)
+    needed = [-(-s.seq_len // CFG.block_size) for s in seqs]
+    blocks = np.split(rng.permutation(CFG.num_blocks)[: sum(needed)], np.cumsum(needed)[:-1])
+    listed = Step([SeqStep(q_len=s.q_len, context_len=s.ctx, block_ids=b.tolist(), prefix_ranges=s.ranges)
+                   for s, b in zip(seqs, blocks)])
+    table = np.full((5, CFG.max_blocks_per_seq), -1)                 # unused entries: anything
+    ranges = np.full((5, CFG.max_prefix_ranges, 2), 7)
+    for i, (s, b) in enumerate(zip(seqs, blocks)):
+        table[i, : len(b)] = b
+        if s.ranges:
+            ranges[i, : len(s.ranges)] = s.ranges
+    columnar = Step.from_arrays(q_lens=[s.q_len for s in seqs], context_lens=[s.ctx for s in seqs],
+                                block_table=table, prefix_ranges=ranges,
+                                range_counts=[len(s.ranges) for s in seqs])
+    got, want = (build_metadata(st, CFG, "cpu", num_seqs=6, num_tokens=listed.num_tokens + 2) for st in
+                 (columnar, listed))
+    for name in ("query_start_loc", "seq_lens", "prefix_ranges", "slot_mapping"):
+        assert torch.equal(getattr(got[0], name), getattr(want[0], name)), f"{name} differs (seed={seed})"
+    assert torch.equal(got[1], want[1])
+    for i, n in enumerate(needed):
+        assert torch.equal(got[0].block_table[i, :n], want[0].block_table[i, :n]), f"row {i} (seed={seed})"
+
+
+def test_from_arrays_rejects():
+    good = dict(q_lens=[1, 2], context_lens=[3, 4], block_table=[[0], [1]])
+    Step.from_arrays(**good).validate(CFG)
+    with pytest.raises(TypeError, match="block_table must be a 2-d integer array"):
+        Step.from_arrays(**{**good, "block_table": [[0.5], [1.0]]})
+    with pytest.raises(ValueError, match="must agree on the number of sequences"):
+        Step.from_arrays(**{**good, "context_lens": [3]})
+    with pytest.raises(ValueError, match=r"seq 1: block id 64 is outside"):
+        Step.from_arrays(**{**good, "block_table": [[0], [64]]}).validate(CFG)
+    with pytest.raises(ValueError, match=r"seq 0: prefix range 0 \[2, 9\) ends past"):
+        Step.from_arrays(**good, prefix_ranges=[[(2, 9)], [(0, 0)]]).validate(CFG)
