@@ -1,10 +1,11 @@
-"""``graphrt`` command line: ``graphrt demo``."""
+"""``graphrt`` command line: ``graphrt demo`` and ``graphrt bench``."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from pathlib import Path
 
 
 def _pick_device(name: str) -> str:
@@ -30,13 +31,41 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--new-tokens", type=int, default=4, help="tokens generated per request")
     demo.add_argument("--chunk", type=int, default=32, help="prefill tokens per step (chunked prefill)")
     demo.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="benchmarks: JSON and PNG under benchmarks/results/<gpu or cpu>/")
+    bench.add_argument("which", nargs="*", default=[], help="step, kernels, runtime, capture (default: all)")
+    bench.add_argument("--quick", action="store_true", help="tiny sizes; on CPU always")
+    bench.add_argument("--no-flex", action="store_true", help="skip compiled flex_attention in kernels")
+    bench.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
+    if args.command == "bench":
+        return _bench(args)
     device = _pick_device(args.device)
     from graphrt.demo import run_demo
 
     return run_demo(device=device, layers=args.layers, requests=args.requests, new_tokens=args.new_tokens,
                     chunk=args.chunk, seed=args.seed)
+
+
+def _bench(args) -> int:
+    import importlib
+
+    from graphrt.bench import BENCHES
+
+    which = args.which or list(BENCHES)
+    unknown = sorted(set(which) - set(BENCHES))
+    if unknown:
+        raise SystemExit(f"graphrt bench: unknown benchmark(s) {unknown}; choose from {list(BENCHES)}")
+    _pick_device("auto")
+    from graphrt.bench.common import default_out
+
+    out = args.out or default_out()
+    for name in which:
+        module = importlib.import_module(f"graphrt.bench.{name}")
+        print(f"== {name}", flush=True)
+        kwargs = dict(flex=not args.no_flex) if name == "kernels" else {}
+        module.run(quick=args.quick, out=out, **kwargs)
+    return 0
 
 
 if __name__ == "__main__":

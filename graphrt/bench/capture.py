@@ -1,0 +1,54 @@
+"""Capture cost: time and graph-pool memory to capture every default bucket of a
+32-layer model (decode buckets up to 256 sequences, mixed buckets up to 8192 tokens)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from graphrt.bench.common import default_out, write
+
+
+def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
+    from graphrt import Runtime, RuntimeConfig
+    from graphrt.toy import ToyModel
+
+    cuda = torch.cuda.is_available()
+    small = quick or not cuda
+    layers = 2 if small else 32
+    cfg = RuntimeConfig(num_q_heads=4 if small else 32, num_kv_heads=2 if small else 8, head_dim=64 if small else 128,
+                        block_size=16, num_blocks=4096, max_num_seqs=8 if small else 256,
+                        max_num_tokens=64 if small else 8192, max_model_len=8192, max_prefix_ranges=8,
+                        dtype=torch.float32 if small else torch.bfloat16)
+    device = "cuda" if cuda else "cpu"
+    model = ToyModel(cfg, num_layers=layers, hidden=64 if small else 1024, vocab=1024, device=device)
+    cache = torch.zeros(cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
+    rt = Runtime(cfg, model, num_layers=layers, device=device, kv_caches=([cache] * layers, [cache] * layers))
+    t0 = time.perf_counter()
+    graphs = rt.capture()
+    total_s = time.perf_counter() - t0
+    rows = [dict(bench="capture", impl="graphrt_graph", layers=layers, bucket=str(g.bucket), kind=g.bucket.kind,
+                 seqs=g.bucket.num_seqs, tokens=g.bucket.num_tokens, ms=1e3 * g.seconds, pool_bytes=g.pool_bytes)
+            for g in graphs]
+    rows.append(dict(bench="capture", impl="graphrt_graph", layers=layers, bucket="all", buckets=len(graphs),
+                     ms=1e3 * total_s, pool_bytes=sum(g.pool_bytes for g in graphs)))
+    if graphs:
+        print(f"captured {len(graphs)} buckets of a {layers}-layer model in {total_s:.1f} s, "
+              f"graph pool {sum(g.pool_bytes for g in graphs) / 2**20:.0f} MiB")
+    else:
+        print("no CUDA device: nothing to capture (every step runs eagerly)")
+    path = write(out, "capture" if not small else "capture_quick", rows)
+    if not quiet:
+        print(f"wrote {path}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    run(quick=args.quick, out=args.out or default_out())

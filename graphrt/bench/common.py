@@ -1,0 +1,143 @@
+"""Shared by the benchmarks: run facts, timing, profiler counts, JSON and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def default_out() -> Path:
+    return Path("benchmarks") / "results" / ("h200" if torch.cuda.is_available() else "cpu")
+
+
+def env() -> dict:
+    """Run facts. The commit comes from GRAPHRT_COMMIT when set (a copied tree without
+    git metadata), else from git."""
+    import triton
+
+    commit = os.environ.get("GRAPHRT_COMMIT")
+    try:
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        pass
+    cuda = torch.cuda.is_available()
+    return dict(commit=commit, gpu=torch.cuda.get_device_name() if cuda else None, torch=torch.__version__,
+                triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version())
+
+
+def write(out: Path, name: str, rows: list[dict], extra_env: dict | None = None) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(dict(env={**env(), **(extra_env or {})}, rows=rows), indent=1))
+    return path
+
+
+def progress(items, desc: str, quiet: bool = False):
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, disable=quiet, leave=False, dynamic_ncols=True)
+
+
+def time_ms(fn, *, iters: int = 50, graph: bool = True) -> float:
+    """Median ms of one call of ``fn``: as a CUDA graph replay (warm-up, capture, replay)
+    timed with events, or without CUDA eagerly with the host clock."""
+    if not torch.cuda.is_available():
+        fn()
+        times = []
+        for _ in range(min(iters, 3)):        # interpreter timings only show the code runs
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return sorted(times)[len(times) // 2]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def profile_steps(run_step, steps: int) -> dict:
+    """Profile ``steps`` calls of ``run_step`` (CUDA): GPU busy fraction (union of GPU
+    activity over the wall time), HtoD copies and bytes, and synchronising calls, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run_step()
+        torch.cuda.synchronize()
+        wall_us = 1e6 * (time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        trace = json.loads(Path(path).read_text())
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, end = 0.0, float("-inf")
+    for start, stop in gpu:                       # union of intervals
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    h2d = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in SYNC_CALLS]
+    return dict(gpu_busy=min(1.0, busy / wall_us), h2d_copies=len(h2d) / steps,
+                h2d_bytes=sum(e.get("args", {}).get("bytes", 0) for e in h2d) / steps,
+                h2d_pageable=sum("Pinned" not in e["name"] for e in h2d) / steps, syncs=len(syncs) / steps)
+
+
+def plot(path: Path, title: str, panels: list[dict]) -> None:
+    """One PNG of side-by-side panels: dict(xlabel, ylabel, series={label: (xs, ys)},
+    logx, logy, hline=(y, label))."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, p in zip(axes[0], panels):
+        for label, (xs, ys) in p["series"].items():
+            ax.plot(xs, ys, marker="o", label=label)
+        if p.get("hline"):
+            ax.axhline(p["hline"][0], color="grey", linestyle="--", label=p["hline"][1])
+        ax.set_xlabel(p["xlabel"])
+        ax.set_ylabel(p["ylabel"])
+        ax.set_title(p.get("title", ""))
+        if p.get("logx"):
+            ax.set_xscale("log", base=2)
+        if p.get("logy"):
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

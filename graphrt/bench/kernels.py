@@ -1,0 +1,231 @@
+"""Kernel throughput, timed as CUDA graph replays, beside ceilings measured in the same run.
+
+decode:   KV bytes read / time, against the device-to-device copy bandwidth (read + write).
+prefill:  attention TFLOP/s (4 * heads * head_dim * visible (q, k) pairs), against the
+          bf16 matmul rate; torch SDPA (causal) and compiled flex_attention beside it.
+mixed:    4 fresh 512-token prefills + 60 decodes at 4k in one launch, against the sum of
+          the decode-only and prefill-only launches.
+bf16, 32 query heads, 8 KV heads, head_dim 128, KV block 16 (small shapes with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from graphrt.bench.common import default_out, plot, progress, time_ms, write
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+# The GPU shapes of the issue's targets; the CPU (--quick) keeps the kernels honest only.
+HQ, HKV, D, BS = (32, 8, 128, 16) if CUDA else (4, 2, 64, 16)
+DT = torch.bfloat16 if CUDA else torch.float32
+
+
+def ceilings(quick: bool) -> dict:
+    """Device-to-device copy bandwidth (bytes read + written; the best of a memcpy and a
+    copy kernel) and the matmul rate, both on random data."""
+    n = 2 * 1024 ** 3 if CUDA and not quick else 16 * 1024 ** 2
+    src = torch.empty(n, dtype=DT, device=DEV).normal_()
+    dst = torch.empty_like(src)
+    nbytes = 2 * src.numel() * src.element_size()
+    copy_tbps = max(nbytes / time_ms(lambda: dst.copy_(src), iters=20) / 1e9,
+                    nbytes / time_ms(lambda: torch.mul(src, 1, out=dst), iters=20) / 1e9)
+    del src, dst
+    m = 8192 if CUDA and not quick else 256
+    a = torch.randn(m, m, device=DEV, dtype=DT)
+    b = torch.randn(m, m, device=DEV, dtype=DT)
+    return dict(copy_tbps=copy_tbps, matmul_tflops=2 * m ** 3 / time_ms(lambda: a @ b, iters=20) / 1e9)
+
+
+def make_meta(q_lens, ctx_lens, ranges, max_ranges=2):
+    """Metadata for a batch, with every sequence's blocks at random places in the cache.
+    Returns (meta, number of blocks)."""
+    from graphrt.kernels import AttentionMetadata
+
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    blocks = [-(-s // BS) for s in seq_lens]
+    perm = torch.randperm(sum(blocks), dtype=torch.int64).to(torch.int32)
+    table = torch.zeros(len(q_lens), max(blocks), dtype=torch.int32)
+    starts = [0]
+    for n in blocks:
+        starts.append(starts[-1] + n)
+    for i, n in enumerate(blocks):
+        table[i, :n] = perm[starts[i]: starts[i] + n]
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    pr = torch.zeros(len(q_lens), max_ranges, 2, dtype=torch.int32)
+    for i, rs in enumerate(ranges):
+        for j, r in enumerate(rs):
+            pr[i, j] = torch.tensor(r)
+    meta = AttentionMetadata(query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+                             block_table=table.to(DEV), prefix_ranges=pr.to(DEV),
+                             slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64, device=DEV))
+    return meta, sum(blocks)
+
+
+def splits_for(batch: int) -> int:
+    """The runtime's rule for decode buckets (graphrt.runtime.Runtime._splits_for)."""
+    if not CUDA:
+        return 1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return max(1, min(16, (2 * sms) // (batch * HKV)))
+
+
+def _caches(nblk: int):
+    kc = torch.empty(nblk, BS, HKV, D, device=DEV, dtype=DT).normal_()
+    return kc, torch.empty_like(kc).normal_()
+
+
+def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50):
+    from graphrt.kernels import paged_attention, split_workspace
+
+    meta, nblk = make_meta(q_lens, ctx_lens, ranges)
+    kc, vc = _caches(nblk)
+    q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=DT)
+    out = torch.empty_like(q)
+    splits = splits_for(len(q_lens)) if decode else 1
+    ws = split_workspace(q.shape[0], HQ, D, splits, DEV) if splits > 1 else None
+    ms = time_ms(lambda: paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws,
+                                         max_query_len=1 if decode else None), iters=iters)
+    return ms, splits
+
+
+def bench_decode(rows, env, batches, contexts, quiet):
+    for ctx in contexts:
+        for batch in progress(batches, f"decode ctx={ctx}", quiet):
+            ms, splits = _attend([1] * batch, [ctx - 1] * batch, [[]] * batch, decode=True)
+            tbps = 2 * batch * ctx * HKV * D * DT.itemsize / ms / 1e9
+            rows.append(dict(bench="decode", impl="graphrt", batch=batch, context=ctx, splits=splits, ms=ms,
+                             tbps=tbps, of_copy=tbps / env["copy_tbps"]))
+
+
+def causal_pairs(n: int, ranges=()) -> int:
+    """Visible (query, key) pairs of an n-token causal prefill; each range of length L adds
+    the L * (L - 1) / 2 later keys its tokens also see."""
+    return n * (n + 1) // 2 + sum((e - s) * (e - s - 1) // 2 for s, e in ranges)
+
+
+def _flex_ms(n: int, ranges) -> float | None:
+    """Compiled flex_attention on the same mask (None where it does not run)."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    range_id = torch.full((n,), -1, dtype=torch.int32, device=DEV)
+    for i, (s, e) in enumerate(ranges):
+        range_id[s:e] = i
+
+    def mask(b, h, qi, ki):
+        return (qi >= ki) | ((range_id[qi] == range_id[ki]) & (range_id[qi] >= 0))
+
+    block_mask = create_block_mask(mask, None, None, n, n, device=DEV)
+    flex = torch.compile(flex_attention, dynamic=False)
+    qs = torch.randn(1, HQ, n, D, device=DEV, dtype=DT)
+    ks = torch.randn(1, HKV, n, D, device=DEV, dtype=DT)
+    vs = torch.randn(1, HKV, n, D, device=DEV, dtype=DT)
+    return time_ms(lambda: flex(qs, ks, vs, block_mask=block_mask, enable_gqa=True), iters=20, graph=False)
+
+
+def bench_prefill(rows, env, sizes, flex: bool, quiet):
+    import torch.nn.functional as F
+
+    for n in progress(sizes, "prefill", quiet):
+        for name, ranges in (("prefill", []), ("prefill_ranges", [(n // 4, n // 4 + 256), (n // 2, n // 2 + 256)])):
+            flops = 4 * HQ * D * causal_pairs(n, ranges)
+            ms, _ = _attend([n], [0], [ranges], decode=False, iters=20)
+            timings = {"graphrt": ms}
+            if not ranges:
+                qs = torch.randn(1, HQ, n, D, device=DEV, dtype=DT)
+                ks = torch.randn(1, HKV, n, D, device=DEV, dtype=DT)
+                vs = torch.randn(1, HKV, n, D, device=DEV, dtype=DT)
+                timings["sdpa"] = time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                                                   enable_gqa=True), iters=20)
+            if flex and CUDA:
+                try:
+                    timings["flex"] = _flex_ms(n, ranges)
+                except Exception as exc:       # reported, not fatal: a peer that does not run here
+                    print(f"flex_attention failed at n={n}: {type(exc).__name__}: {exc}"[:300])
+            for impl, t in timings.items():
+                if t is not None:
+                    rows.append(dict(bench=name, impl=impl, tokens=n, ms=t, tflops=flops / t / 1e9,
+                                     of_matmul=flops / t / 1e9 / env["matmul_tflops"]))
+
+
+def bench_mixed(rows, env, prefills: int, prefill_len: int, decodes: int, ctx: int):
+    """One launch for the mix against the decode-only and prefill-only launches."""
+    q_lens = [prefill_len] * prefills + [1] * decodes
+    ctx_lens = [0] * prefills + [ctx - 1] * decodes
+    mixed, _ = _attend(q_lens, ctx_lens, [[]] * len(q_lens), decode=False)
+    dec, _ = _attend([1] * decodes, [ctx - 1] * decodes, [[]] * decodes, decode=True)
+    pre, _ = _attend([prefill_len] * prefills, [0] * prefills, [[]] * prefills, decode=False)
+    common = dict(bench="mixed", prefills=prefills, prefill_len=prefill_len, decodes=decodes, context=ctx)
+    rows.append(dict(impl="graphrt", ms=mixed, of_parts=mixed / (dec + pre), **common))
+    rows.append(dict(impl="graphrt_decode_only", ms=dec, **common))
+    rows.append(dict(impl="graphrt_prefill_only", ms=pre, **common))
+
+
+def report(rows: list[dict], env: dict) -> None:
+    print(f"ceilings: copy {env['copy_tbps']:.2f} TB/s, matmul {env['matmul_tflops']:.0f} TFLOP/s")
+    for r in rows:
+        if r["bench"] == "decode":
+            print(f"decode   batch={r['batch']:4d} ctx={r['context']:6d} splits={r['splits']:2d}: {1e3 * r['ms']:9.1f} us "
+                  f"{r['tbps']:5.2f} TB/s = {r['of_copy']:.2f} x copy")
+        elif r["bench"].startswith("prefill"):
+            print(f"{r['bench']:15s} {r['impl']:8s} tokens={r['tokens']:6d}: {r['ms']:8.3f} ms {r['tflops']:6.1f} "
+                  f"TFLOP/s = {r['of_matmul']:.2f} x matmul")
+        elif r["bench"] == "mixed":
+            extra = f" = {r['of_parts']:.2f} x (decode-only + prefill-only)" if "of_parts" in r else ""
+            print(f"mixed    {r['impl']:21s}: {1e3 * r['ms']:9.1f} us{extra}")
+
+
+def _plot(rows: list[dict], env: dict, path: Path) -> None:
+    dec = [r for r in rows if r["bench"] == "decode"]
+    series = {}
+    for ctx in sorted({r["context"] for r in dec}):
+        pts = sorted((r["batch"], r["tbps"]) for r in dec if r["context"] == ctx)
+        series[f"context {ctx}"] = ([p[0] for p in pts], [p[1] for p in pts])
+    pre = [r for r in rows if r["bench"].startswith("prefill")]
+    pseries = {}
+    for key in sorted({(r["bench"], r["impl"]) for r in pre}):
+        pts = sorted((r["tokens"], r["tflops"]) for r in pre if (r["bench"], r["impl"]) == key)
+        pseries[f"{key[1]} {key[0]}"] = ([p[0] for p in pts], [p[1] for p in pts])
+    plot(path, f"graphrt kernels ({env.get('gpu') or 'cpu'})", [
+        dict(title="decode", xlabel="batch", ylabel="TB/s (KV bytes / time)", series=series, logx=True,
+             hline=(env["copy_tbps"], "D2D copy")),
+        dict(title="prefill", xlabel="tokens", ylabel="TFLOP/s", series=pseries, logx=True,
+             hline=(env["matmul_tflops"], "bf16 matmul")),
+    ])
+
+
+def run(*, quick: bool, out: Path, only: set[str] | None = None, flex: bool = True, quiet: bool = False) -> list[dict]:
+    only = only or {"decode", "prefill", "mixed"}
+    env = ceilings(quick)
+    rows: list[dict] = []
+    small = quick or not CUDA
+    if "decode" in only:
+        bench_decode(rows, env, [1, 4] if small else [1, 8, 64, 256], [64] if small else [1024, 8192, 32768], quiet)
+    if "prefill" in only:
+        bench_prefill(rows, env, [64] if small else [4096, 16384], flex and not small, quiet)
+    if "mixed" in only:
+        bench_mixed(rows, env, *((2, 16, 3, 48) if small else (4, 512, 60, 4096)))
+    report(rows, env)
+    path = write(out, "kernels" if not small else "kernels_quick", rows, env)
+    if not quiet:
+        print(f"wrote {path}")
+    _plot(rows, env, out / ("kernels.png" if not small else "kernels_quick.png"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (what the CPU test runs)")
+    parser.add_argument("--only", default="decode,prefill,mixed")
+    parser.add_argument("--no-flex", action="store_true", help="skip compiled flex_attention")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    run(quick=args.quick, out=args.out or default_out(), only=set(args.only.split(",")), flex=not args.no_flex)

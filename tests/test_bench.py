@@ -1,0 +1,26 @@
+"""``graphrt bench --quick`` keeps working: every benchmark runs and writes its JSON."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+REQUIRED = {"step": {"impl", "layers", "batch", "host_us", "wall_us"},
+            "kernels": {"impl", "ms"}, "runtime": {"impl", "layers", "batch", "host_us", "wall_us", "h2d_bytes"},
+            "capture": {"impl", "ms"}}
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_bench_quick(name, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "graphrt", "bench", name, "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    data = json.loads((tmp_path / f"{name}_quick.json").read_text())
+    assert {"commit", "gpu", "torch", "triton"} <= set(data["env"])
+    assert data["rows"], f"{name} wrote no rows"
+    benches = {"decode", "prefill", "prefill_ranges", "mixed"} if name == "kernels" else {name}
+    for row in data["rows"]:
+        assert row["bench"] in benches and REQUIRED[name] <= set(row), row
+    if name == "step":
+        assert {r["impl"] for r in data["rows"]} >= {"per_layer_rebuild", "per_step_rebuild", "graphrt_eager"}
