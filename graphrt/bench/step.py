@@ -81,16 +81,18 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
         shape = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, hidden=1024)
     hidden = shape.pop("hidden")
     rows = []
+    dtype = torch.bfloat16 if cuda else torch.float32
     for layers in layers_list:
+        model = None
         for batch in progress(batches, f"step L={layers}", quiet):
             per = -(-(context + 1) // 16)
             cfg = RuntimeConfig(**shape, block_size=16, num_blocks=batch * per, max_num_seqs=batch,
-                                max_num_tokens=batch, max_model_len=context + 1, max_prefix_ranges=8,
-                                dtype=torch.bfloat16 if cuda else torch.float32)
+                                max_num_tokens=batch, max_model_len=context + 1, max_prefix_ranges=8, dtype=dtype)
+            if model is None:     # weights depend on the attention shape only, shared by every batch
+                model = ToyModel(cfg, num_layers=layers, hidden=hidden, vocab=1024, device=device)
             cache = torch.randn(cfg.num_blocks, 16, cfg.num_kv_heads, cfg.head_dim, device=device).to(cfg.dtype)
             # one cache pair for every layer: the bytes read per layer are the same, memory is not
             caches = ([cache] * layers, [cache.clone()] * layers)
-            model = ToyModel(cfg, num_layers=layers, hidden=hidden, vocab=1024, device=device)
             step = _decode_step(cfg, batch, context)
             ids = np.arange(batch) % 1000
             rt = Runtime(cfg, model, num_layers=layers, device=device, kv_caches=caches)
