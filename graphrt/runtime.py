@@ -97,7 +97,10 @@ class Runtime:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         self.cfg = cfg
         self.model_step = model_step
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:      # "cuda" means the current device: cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.buffers = StepBuffers(cfg, self.device, ring=ring)
         shape = (cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         if kv_caches is None:

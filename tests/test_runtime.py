@@ -228,3 +228,13 @@ def test_replaced_cache_refuses_replay():
     model.w_o = torch.nn.Parameter(model.w_o.detach().clone(), requires_grad=False)
     with pytest.raises(RuntimeError, match=r"w_o moved or was replaced"):
         rt.step(step, [3])
+
+
+@pytest.mark.gpu
+def test_given_caches_on_plain_cuda_device():
+    cfg = small_cfg(torch.bfloat16)
+    model = ToyModel(cfg, num_layers=1, hidden=64, vocab=50, device="cuda")
+    shape = (cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = ([torch.zeros(shape, dtype=cfg.dtype, device="cuda")], [torch.zeros(shape, dtype=cfg.dtype, device="cuda")])
+    rt = Runtime(cfg, model, num_layers=1, device="cuda", kv_caches=caches)
+    assert rt.device == caches[0][0].device and rt.k_caches[0] is caches[0][0]
