@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")   # the host waits for the GPU
+RING_WAIT = "cudaEventSynchronize"    # graphrt's ring: the host waits for a free staging slot (back-pressure)
 
 
 def default_out() -> Path:
@@ -84,14 +85,16 @@ def time_ms(fn, *, iters: int = 50, graph: bool = True) -> float:
 
 def profile_steps(run_step, steps: int) -> dict:
     """Profile ``steps`` calls of ``run_step`` (CUDA): GPU busy fraction (union of GPU
-    activity over the wall time), HtoD copies and bytes, and synchronising calls, per step."""
-    from torch.profiler import ProfilerActivity, profile
+    activity over the wall time), HtoD copies and bytes per step, synchronising calls made
+    while stepping (the closing synchronize excluded) and ring back-pressure waits."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        for _ in range(steps):
-            run_step()
+        with record_function("bench_steps"):
+            for _ in range(steps):
+                run_step()
         torch.cuda.synchronize()
         wall_us = 1e6 * (time.perf_counter() - t0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,10 +110,14 @@ def profile_steps(run_step, steps: int) -> dict:
             busy += stop - max(start, end)
             end = stop
     h2d = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
-    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in SYNC_CALLS]
+    (window,) = [(e["ts"], e["ts"] + e["dur"]) for e in events
+                 if e.get("name") == "bench_steps" and e.get("cat") == "user_annotation"]
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and window[0] <= e["ts"] <= window[1]]
     return dict(gpu_busy=min(1.0, busy / wall_us), h2d_copies=len(h2d) / steps,
                 h2d_bytes=sum(e.get("args", {}).get("bytes", 0) for e in h2d) / steps,
-                h2d_pageable=sum("Pinned" not in e["name"] for e in h2d) / steps, syncs=len(syncs) / steps)
+                h2d_pageable=sum("Pinned" not in e["name"] for e in h2d) / steps,
+                syncs=sum(e["name"] in SYNC_CALLS for e in runtime) / steps,
+                ring_waits=sum(e["name"] == RING_WAIT for e in runtime) / steps)
 
 
 def plot(path: Path, title: str, panels: list[dict]) -> None:

@@ -138,11 +138,11 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
 
 def _report(rows: list[dict]) -> None:
     print(f"{'L':>3} {'batch':>5} {'impl':>18} {'host us':>9} {'wall us':>9} {'busy':>5} {'h2d':>5} {'bytes':>8} "
-          f"{'syncs':>5}")
+          f"{'syncs':>5} {'waits':>5}")
     for r in rows:
         print(f"{r['layers']:3d} {r['batch']:5d} {r['impl']:>18} {r['host_us']:9.0f} {r['wall_us']:9.0f} "
               f"{r.get('gpu_busy', 0):5.2f} {r.get('h2d_copies', 0):5.1f} {r.get('h2d_bytes', 0):8.0f} "
-              f"{r.get('syncs', 0):5.1f}")
+              f"{r.get('syncs', 0):5.1f} {r.get('ring_waits', 0):5.1f}")
 
 
 def _plot(rows: list[dict], path: Path) -> None:
