@@ -11,6 +11,7 @@ bf16, 32 query heads, 8 KV heads, head_dim 128, KV block 16 (small shapes with -
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -184,6 +185,8 @@ def report(rows: list[dict], env: dict) -> None:
 
 
 def _plot(rows: list[dict], env: dict, path: Path) -> None:
+    """Decode TB/s against the copy ceiling, prefill TFLOP/s against the matmul rate;
+    ``env`` is the run's JSON env (gpu name and the ceilings)."""
     dec = [r for r in rows if r["bench"] == "decode"]
     series = {}
     for ctx in sorted({r["context"] for r in dec}):
@@ -217,7 +220,7 @@ def run(*, quick: bool, out: Path, only: set[str] | None = None, flex: bool = Tr
     path = write(out, "kernels" if not small else "kernels_quick", rows, env)
     if not quiet:
         print(f"wrote {path}")
-    _plot(rows, env, out / ("kernels.png" if not small else "kernels_quick.png"))
+    _plot(rows, json.loads(path.read_text())["env"], out / ("kernels.png" if not small else "kernels_quick.png"))
     return rows
 
 
@@ -229,3 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     run(quick=args.quick, out=args.out or default_out(), only=set(args.only.split(",")), flex=not args.no_flex)
+
+
+def replot(json_path: Path) -> None:
+    """Redraw kernels.png beside a results JSON (e.g. one copied back from the GPU)."""
+    data = json.loads(Path(json_path).read_text())
+    _plot(data["rows"], data["env"], Path(json_path).with_suffix(".png"))
