@@ -118,7 +118,6 @@ class StepBuffers:
         self._events: list[torch.cuda.Event | None] = [None] * ring
         self._next = 0
         self.wait_seconds = 0.0      # host time spent waiting for a free slot (back-pressure)
-        self.last_copy_bytes = 0
 
     def layout(self, num_seqs: int, num_tokens: int) -> Layout:
         return Layout.make(num_seqs, num_tokens, self.cfg.max_prefix_ranges, self.cfg.max_blocks_per_seq)

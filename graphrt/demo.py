@@ -138,7 +138,8 @@ def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk:
           f"{' (under the torch profiler)' if on_gpu else ''}")
     if on_gpu:
         print(f"  H2D copies: {seen.h2d_pinned} pinned, {seen.h2d_pageable} pageable over {steps} steps; "
-              f"host syncs inside rt.step: {seen.syncs} (strict mode on)")
+              f"host syncs inside rt.step: {seen.syncs} (strict mode on), "
+              f"waits for a free staging slot: {seen.ring_waits}")
     print(f"  buckets used: {', '.join(f'{k} x{v}' for k, v in sorted(buckets.items()))}")
     print(f"  logits vs float64-attention reference, worst error / max |logit|: {worst:.2e} "
           f"({'ok' if worst < tol else 'TOO LARGE'}, tolerance {tol:g})")

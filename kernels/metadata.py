@@ -82,13 +82,3 @@ class AttentionMetadata:
     @property
     def max_prefix_ranges(self) -> int:
         return self.prefix_ranges.shape[1]
-
-    def narrow(self, num_seqs: int, num_tokens: int) -> "AttentionMetadata":
-        """Views over the first ``num_seqs`` sequences and ``num_tokens`` tokens (a bucket)."""
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: num_seqs + 1],
-            seq_lens=self.seq_lens[:num_seqs],
-            block_table=self.block_table[:num_seqs],
-            prefix_ranges=self.prefix_ranges[:num_seqs],
-            slot_mapping=self.slot_mapping[:num_tokens],
-        )

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")   # the host waits for the GPU
-RING_WAIT = "cudaEventSynchronize"    # graphrt's ring: the host waits for a free staging slot (back-pressure)
+from graphrt.profiling import RING_WAIT, SYNC_CALLS
 
 
 def default_out() -> Path:
