@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from _cases import TOL, assert_close  # noqa: E402
-from graphrt import Runtime, RuntimeConfig, SeqStep, Step  # noqa: E402
-from graphrt.checking import ReferenceRunner  # noqa: E402
-from graphrt.toy import ToyModel  # noqa: E402
+from _cases import TOL, assert_close
+from graphrt import Runtime, RuntimeConfig, SeqStep, Step
+from graphrt.checking import ReferenceRunner
+from graphrt.toy import ToyModel
 
 CFG = RuntimeConfig(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=24, max_num_seqs=4,
                     max_num_tokens=32, max_model_len=96, max_prefix_ranges=2, dtype=torch.float32)
