@@ -32,7 +32,7 @@ def seq_shapes(draw, max_seqs=3):
         q = draw(st.integers(1, max(1, min(12, budget - (n - i - 1)))))
         budget -= q
         ctx = draw(st.integers(0, 40))
-        k = draw(st.integers(0, CFG.max_prefix_ranges))
+        k = draw(st.integers(0, min(CFG.max_prefix_ranges, (q + ctx + 1) // 2)))   # 2k distinct cut points
         cuts = sorted(draw(st.lists(st.integers(0, q + ctx), min_size=2 * k, max_size=2 * k, unique=True)))
         shapes.append((q, ctx, [(cuts[2 * j], cuts[2 * j + 1]) for j in range(k)]))
     return shapes
