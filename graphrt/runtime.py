@@ -22,7 +22,7 @@ import torch
 
 from graphrt.buffers import DeviceViews, Layout, StepBuffers
 from graphrt.config import RuntimeConfig
-from graphrt.kernels import paged_attention, split_workspace, write_kv
+from graphrt.kernels import decode_splits, paged_attention, split_workspace, write_kv
 from graphrt.step import Step
 from graphrt.tracing import Tracer
 from graphrt.capture import Bucket, CapturedGraph, GraphSet, default_buckets, make_buckets
@@ -140,21 +140,13 @@ class Runtime:
             layout = self._layouts.setdefault(bucket, self.buffers.layout(bucket.num_seqs, bucket.num_tokens))
             self.buffers.stage_empty(layout)
             ctx = StepContext(self, self.buffers.device_views(layout), max_query_len=bucket.max_query_len,
-                              num_splits=self._splits_for(bucket))
+                              num_splits=(decode_splits(bucket.num_seqs, cfg.num_kv_heads, self.device)
+                                          if bucket.kind == "decode" else 1))
             self._contexts[bucket] = ctx
             return lambda: self.model_step(ctx)
 
         self.graphs.capture(buckets, prepare, trace=self.tracer, progress=progress)
         return [self.graphs.graphs[b] for b in sorted(buckets, reverse=True)]
-
-    def _splits_for(self, bucket: Bucket) -> int:
-        """Split-KV factor of a bucket, fixed at capture: decode buckets too small to fill
-        the GPU (sequences x KV heads < 2 waves of programs) split each context; the split
-        lengths then follow the contexts on the device."""
-        if bucket.kind != "decode" or self.device.type != "cuda":
-            return 1
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return max(1, min(16, (2 * sms) // (bucket.num_seqs * self.cfg.num_kv_heads)))
 
     def _guarded(self) -> list[tuple[str, torch.Tensor]]:
         pairs = [("arena", self.buffers.arena)]

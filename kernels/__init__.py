@@ -16,7 +16,7 @@ from .metadata import AttentionMetadata
 
 _LAZY = {
     "paged_attention": "paged_attention", "split_workspace": "paged_attention", "KernelConfig": "paged_attention",
-    "default_config": "paged_attention", "COMPOSITIONS": "paged_attention",
+    "default_config": "paged_attention", "COMPOSITIONS": "paged_attention", "decode_splits": "paged_attention",
     "write_kv": "kv_write", "reference": None,
 }
 
@@ -26,7 +26,11 @@ __all__ = ["AttentionMetadata", *_LAZY]
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'graphrt.kernels' has no attribute {name!r}")
-    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
-    value = module if _LAZY[name] is None else getattr(module, name)
-    globals()[name] = value
-    return value
+    module_name = _LAZY[name] or name
+    module = importlib.import_module(f".{module_name}", __name__)
+    # Importing a submodule binds its name on this package (``paged_attention`` the module),
+    # so bind every lazy name it serves, the function of the same name included.
+    for lazy, source in _LAZY.items():
+        if (source or lazy) == module_name:
+            globals()[lazy] = module if source is None else getattr(module, lazy)
+    return globals()[name]

@@ -243,6 +243,17 @@ def default_config(head_dim: int, dtype: torch.dtype, queries_per_kv: int, *,
     return KernelConfig(block_q=max(1, rows // qpk_pad), block_n=block_n, num_warps=4, num_stages=2)
 
 
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) -> int:
+    """Split-KV factor for a decode launch of ``num_seqs`` sequences, fixed before capture:
+    split when sequences x KV heads give fewer than two waves of programs; the split
+    lengths then follow each step's contexts on the device. 1 off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(16, (2 * sms) // (num_seqs * num_kv_heads)))
+
+
 def split_workspace(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial outputs [T, Hq, splits, D] and log-sum-exps [T, Hq, splits], float32."""

@@ -92,3 +92,13 @@ def test_cpu_tensors_need_the_interpreter(setup, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         _call(setup)
+
+
+def test_lazy_names_resolve_to_functions_in_any_order():
+    import subprocess
+    import sys
+
+    code = ("import graphrt.kernels as K; K.decode_splits; from graphrt.kernels import paged_attention; "
+            "assert callable(paged_attention) and not hasattr(paged_attention, '__path__'), paged_attention")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -41,40 +41,28 @@ def ceilings(quick: bool) -> dict:
     return dict(copy_tbps=copy_tbps, matmul_tflops=2 * m ** 3 / time_ms(lambda: a @ b, iters=20) / 1e9)
 
 
-def make_meta(q_lens, ctx_lens, ranges, max_ranges=2):
-    """Metadata for a batch, with every sequence's blocks at random places in the cache.
-    Returns (meta, number of blocks)."""
-    from graphrt.kernels import AttentionMetadata
+def make_meta(q_lens, ctx_lens, ranges):
+    """Metadata for a batch through graphrt's own step path, every sequence's blocks at
+    random places in the cache. Returns (meta, number of blocks)."""
+    import numpy as np
 
-    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
-    blocks = [-(-s // BS) for s in seq_lens]
-    perm = torch.randperm(sum(blocks), dtype=torch.int64).to(torch.int32)
-    table = torch.zeros(len(q_lens), max(blocks), dtype=torch.int32)
-    starts = [0]
-    for n in blocks:
-        starts.append(starts[-1] + n)
-    for i, n in enumerate(blocks):
-        table[i, :n] = perm[starts[i]: starts[i] + n]
-    qsl = [0]
-    for q in q_lens:
-        qsl.append(qsl[-1] + q)
-    pr = torch.zeros(len(q_lens), max_ranges, 2, dtype=torch.int32)
+    from graphrt import RuntimeConfig, Step, build_metadata
+
+    seq_lens = np.add(q_lens, ctx_lens)
+    per = -(-seq_lens // BS)
+    table = np.zeros((len(q_lens), int(per.max())), np.int64)
+    table[np.arange(per.max()) < per[:, None]] = np.random.permutation(int(per.sum()))
+    padded = np.zeros((len(q_lens), 2, 2), np.int64)
     for i, rs in enumerate(ranges):
-        for j, r in enumerate(rs):
-            pr[i, j] = torch.tensor(r)
-    meta = AttentionMetadata(query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
-                             block_table=table.to(DEV), prefix_ranges=pr.to(DEV),
-                             slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64, device=DEV))
-    return meta, sum(blocks)
-
-
-def splits_for(batch: int) -> int:
-    """The runtime's rule for decode buckets (graphrt.runtime.Runtime._splits_for)."""
-    if not CUDA:
-        return 1
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return max(1, min(16, (2 * sms) // (batch * HKV)))
+        if rs:
+            padded[i, : len(rs)] = rs
+    step = Step.from_arrays(q_lens=q_lens, context_lens=ctx_lens, block_table=table, block_counts=per,
+                            prefix_ranges=padded, range_counts=[len(r) for r in ranges])
+    cfg = RuntimeConfig(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS, num_blocks=int(per.sum()),
+                        max_num_seqs=len(q_lens), max_num_tokens=step.num_tokens, max_model_len=int(seq_lens.max()),
+                        max_prefix_ranges=2, dtype=DT)
+    meta, _ = build_metadata(step, cfg, DEV)
+    return meta, int(per.sum())
 
 
 def _caches(nblk: int):
@@ -83,13 +71,13 @@ def _caches(nblk: int):
 
 
 def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50):
-    from graphrt.kernels import paged_attention, split_workspace
+    from graphrt.kernels import decode_splits, paged_attention, split_workspace
 
     meta, nblk = make_meta(q_lens, ctx_lens, ranges)
     kc, vc = _caches(nblk)
     q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=DT)
     out = torch.empty_like(q)
-    splits = splits_for(len(q_lens)) if decode else 1
+    splits = decode_splits(len(q_lens), HKV, DEV) if decode else 1
     ws = split_workspace(q.shape[0], HQ, D, splits, DEV) if splits > 1 else None
     ms = time_ms(lambda: paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws,
                                          max_query_len=1 if decode else None), iters=iters)
@@ -136,7 +124,7 @@ def bench_prefill(rows, env, sizes, flex: bool, quiet):
     import torch.nn.functional as F
 
     for n in progress(sizes, "prefill", quiet):
-        for name, ranges in (("prefill", []), ("prefill_ranges", [(n // 4, n // 4 + 256), (n // 2, n // 2 + 256)])):
+        for name, ranges in (("prefill", []), ("prefill_ranges", [(n // 4, n // 4 + min(256, n // 8)), (n // 2, n // 2 + min(256, n // 8))])):
             flops = 4 * HQ * D * causal_pairs(n, ranges)
             ms, _ = _attend([n], [0], [ranges], decode=False, iters=20)
             timings = {"graphrt": ms}
