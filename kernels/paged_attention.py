@@ -33,6 +33,81 @@ COMPOSITIONS = ("gemma3", "gemma4")
 
 
 @triton.jit
+def _attend_span(
+    acc, l_i, m_i, kt_start, kt_end,
+    b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+    p_bt, stride_bt_blk, k_head_ptr, v_head_ptr,
+    stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+    o_d, m_d,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, GEMMA4: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) over key tiles [kt_start, kt_end).
+    MASKED=False is for tiles every row of the tile sees in full (all keys causal, inside
+    the window and before seq_len): no mask is built and no load is masked by position."""
+    for kt in range(kt_start, kt_end):
+        k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
+        if MASKED:
+            m_k = k_pos < seq_len
+            i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0).to(tl.int64)
+        else:
+            i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk).to(tl.int64)
+        i_off = k_pos % KV_BLOCK_SIZE
+        # K as [HEAD_DIM_PAD, BLOCK_N], V as [BLOCK_N, HEAD_DIM_PAD]
+        p_k = k_head_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok)[None, :] + o_d[:, None]
+        p_v = v_head_ptr + (i_blk * stride_v_blk + i_off * stride_v_tok)[:, None] + o_d[None, :]
+        if MASKED:
+            b_k = tl.load(p_k, mask=m_k[None, :] & m_d[:, None], other=0.0)
+            b_v = tl.load(p_v, mask=m_k[:, None] & m_d[None, :], other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            b_k = tl.load(p_k)
+            b_v = tl.load(p_v)
+        else:
+            b_k = tl.load(p_k, mask=m_d[:, None], other=0.0)
+            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+
+        if IEEE_DOT:
+            b_s = tl.dot(b_q, b_k, input_precision="ieee")
+        else:
+            b_s = tl.dot(b_q, b_k)
+        if USE_SOFTCAP:
+            # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1): saturates to +-1
+            b_s = b_s * (scale_log2e * 0.6931471805599453 / softcap)
+            b_s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * b_s) + 1.0)) * 1.4426950408889634
+        else:
+            b_s = b_s * scale_log2e
+
+        if MASKED:
+            causal = k_pos[None, :] <= q_pos[:, None]
+            same_range = (k_pos[None, :] >= r_start[:, None]) & (k_pos[None, :] < r_end[:, None])
+            if USE_WINDOW:
+                in_window = (q_pos[:, None] - k_pos[None, :]) < window
+                if GEMMA4:
+                    visible = (causal | same_range) & in_window
+                else:
+                    visible = (causal & in_window) | same_range
+            else:
+                visible = causal | same_range
+            visible = visible & m_k[None, :]
+            b_s = tl.where(visible, b_s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(b_s, axis=1))            # finite: every key is visible
+            m_safe = m_new
+        b_p = tl.exp2(b_s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(b_p, axis=1)
+        if IEEE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr,
@@ -55,7 +130,9 @@ def _attn_kernel(
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
-    i_tile = tl.program_id(0)
+    # Tiles in reverse order: a sequence's last query tiles see the most keys (causal), so
+    # they start first and the short ones fill the tail of the launch.
+    i_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     i_kvh = tl.program_id(1)
     i_split = tl.program_id(2)
 
@@ -108,72 +185,52 @@ def _attn_kernel(
     # of every range that holds one of its queries; the window (if any) bounds it below,
     # and under gemma3 a range also reaches below the window.
     first_pos = ctx_len + i_qblk * BLOCK_Q
-    k_hi = tl.minimum(first_pos + BLOCK_Q, seq_len)
-    k_hi = tl.maximum(k_hi, tl.max(tl.where(m_row, r_end, 0), axis=0))
+    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
+    k_hi = tl.maximum(last_pos + 1, tl.max(tl.where(m_row, r_end, 0), axis=0))
     k_hi = tl.minimum(k_hi, seq_len)
     k_lo = 0
+    full_lo = 0
     if USE_WINDOW:
         k_lo = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.maximum(last_pos - window + 1, 0)
         if not GEMMA4:
             in_range = m_row & (r_end > r_start)
             k_lo = tl.minimum(k_lo, tl.min(tl.where(in_range, r_start, k_lo), axis=0))
     kt_lo = k_lo // BLOCK_N
     kt_hi = tl.cdiv(k_hi, BLOCK_N)
+    # Tiles every row sees in full: keys <= first_pos (causal for all rows) and, with a
+    # window, >= last_pos - window + 1 (inside every row's window). They skip the mask.
+    ft_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), kt_lo), kt_hi)
+    ft_hi = tl.minimum(tl.maximum((first_pos + 1) // BLOCK_N, ft_lo), kt_hi)
+    st_lo = kt_lo
+    st_hi = kt_hi
     if NUM_SPLITS > 1:
         per_split = tl.cdiv(kt_hi - kt_lo, NUM_SPLITS)
-        kt_lo = kt_lo + i_split * per_split
-        kt_hi = tl.minimum(kt_lo + per_split, kt_hi)
+        st_lo = kt_lo + i_split * per_split
+        st_hi = tl.minimum(st_lo + per_split, kt_hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     p_bt = block_table_ptr + i_seq.to(tl.int64) * stride_bt_seq
-    for kt in range(kt_lo, kt_hi):
-        k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
-        m_k = k_pos < seq_len
-        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0).to(tl.int64)
-        i_off = k_pos % KV_BLOCK_SIZE
-        # [HEAD_DIM_PAD, BLOCK_N]
-        p_k = k_cache_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok + i_kvh * stride_k_head)[None, :] + o_d[:, None]
-        b_k = tl.load(p_k, mask=m_k[None, :] & m_d[:, None], other=0.0)
-        # [BLOCK_N, HEAD_DIM_PAD]
-        p_v = v_cache_ptr + (i_blk * stride_v_blk + i_off * stride_v_tok + i_kvh * stride_v_head)[:, None] + o_d[None, :]
-        b_v = tl.load(p_v, mask=m_k[:, None] & m_d[None, :], other=0.0)
-
-        if IEEE_DOT:
-            b_s = tl.dot(b_q, b_k, input_precision="ieee")
-        else:
-            b_s = tl.dot(b_q, b_k)
-        if USE_SOFTCAP:
-            # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1): saturates to +-1
-            b_s = b_s * (scale_log2e * 0.6931471805599453 / softcap)
-            b_s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * b_s) + 1.0)) * 1.4426950408889634
-        else:
-            b_s = b_s * scale_log2e
-
-        causal = k_pos[None, :] <= q_pos[:, None]
-        same_range = (k_pos[None, :] >= r_start[:, None]) & (k_pos[None, :] < r_end[:, None])
-        if USE_WINDOW:
-            in_window = (q_pos[:, None] - k_pos[None, :]) < window
-            if GEMMA4:
-                visible = (causal | same_range) & in_window
-            else:
-                visible = (causal & in_window) | same_range
-        else:
-            visible = causal | same_range
-        visible = visible & m_k[None, :]
-        b_s = tl.where(visible, b_s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
-        b_p = tl.exp2(b_s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(b_p, axis=1)
-        if IEEE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-        m_i = m_new
+    k_head_ptr = k_cache_ptr + i_kvh * stride_k_head
+    v_head_ptr = v_cache_ptr + i_kvh * stride_v_head
+    # This split's share [st_lo, st_hi) of three runs: masked, full, masked.
+    acc, l_i, m_i = _attend_span(
+        acc, l_i, m_i, st_lo, tl.minimum(ft_lo, st_hi),
+        b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+        p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, True)
+    acc, l_i, m_i = _attend_span(
+        acc, l_i, m_i, tl.maximum(ft_lo, st_lo), tl.minimum(ft_hi, st_hi),
+        b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+        p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, False)
+    acc, l_i, m_i = _attend_span(
+        acc, l_i, m_i, tl.maximum(ft_hi, st_lo), st_hi,
+        b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+        p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, True)
 
     has_keys = l_i > 0.0
     b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]

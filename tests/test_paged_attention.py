@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _cases import DTYPES, TOL, Seq, assert_close, build_meta, fresh_seed, random_seqs, rngs
-from graphrt.kernels import paged_attention, reference, split_workspace, write_kv
+from graphrt.kernels import KernelConfig, paged_attention, reference, split_workspace, write_kv
 
 S = Seq
 RANGE_EDGES = (
@@ -23,6 +23,8 @@ RANGE_EDGES = (
     S(40, 60, ((50, 90),)),                               # range across a key tile (64), wider than a window
     S(100, 0, ((10, 90), (95, 100))),                     # early queries see key tiles past their causal span
 )
+
+FULL_TILES = (S(30, 100, ((90, 140),)), S(1, 150), S(45, 0, ((5, 20),)), S(3, 77, ((70, 79),)))
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Case:
     q_scale: float = 1.0               # larger logits, to push the soft-cap into saturation
     splits: int = 1
     column_major: bool = False         # block table stored [blocks, seqs], as the runtime's arena holds it
+    config: KernelConfig | None = None # tile shape (None: the launcher's default)
 
 
 CASES = [
@@ -62,6 +65,16 @@ CASES = [
     Case("split-mixed-window-softcap", (S(1, 150), S(24, 40, ((30, 60),))), splits=3, window=32, softcap=5.0),
     Case("split-gemma4-ranges", (S(1, 90, ((10, 80),)), S(17, 17, ((0, 34),))), splits=2, window=12,
          composition="gemma4"),
+    # Small key tiles so that a window leaves tiles every row sees in full (the unmasked
+    # path) between masked ones; large tiles as the GPU's prefill table uses.
+    Case("full-tiles-window-gemma3", FULL_TILES, window=43, config=KernelConfig(block_q=4, block_n=16)),
+    Case("full-tiles-window-gemma4-split", FULL_TILES, window=43, composition="gemma4", splits=3,
+         config=KernelConfig(block_q=4, block_n=16)),
+    Case("full-tiles-softcap-split", FULL_TILES, softcap=3.0, q_scale=3.0, splits=2,
+         config=KernelConfig(block_q=8, block_n=32)),
+    Case("large-tiles", (S(130, 0, ((10, 60),)), S(1, 200), S(70, 90, ((100, 150),))),
+         config=KernelConfig(block_q=32, block_n=128)),
+    Case("random-small-tiles-window", window=29, config=KernelConfig(block_q=4, block_n=16)),
     Case("random"),
     Case("random-window", window=24),
     Case("random-gemma4-split", window=40, composition="gemma4", splits=4, column_major=True),
@@ -87,7 +100,7 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device) -> None:
     out = torch.full_like(q, float("nan"))
     opts = dict(window=case.window, composition=case.composition, softcap=case.softcap)
 
-    paged_attention(q, k_cache, v_cache, out, meta, num_splits=case.splits, **opts)
+    paged_attention(q, k_cache, v_cache, out, meta, num_splits=case.splits, config=case.config, **opts)
 
     ref = reference.paged_attention(q, k_cache, v_cache, meta, **opts)
     assert_close(f"out[{case.id}]", out[:total], ref, *TOL[dtype], seed)
