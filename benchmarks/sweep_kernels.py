@@ -21,10 +21,12 @@ from graphrt.bench import kernels as kb
 from graphrt.bench.common import default_out, time_ms, write
 from graphrt.kernels import KernelConfig, paged_attention, split_workspace
 
-DECODE = [(32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 4), (128, 4, 2), (128, 4, 3), (128, 8, 3)]
-SPLITS = {1: (16, 32, 64), 8: (4, 8, 16, 32), 64: (1, 2, 4), 256: (1, 2)}
-PREFILL = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 2), (128, 64, 4, 2),
-           (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3)]
+# decode: (block_n, warps, stages); split factors per batch
+DECODE = [(128, 4, 2), (128, 4, 3), (64, 4, 2)]
+SPLITS = {1: (16, 32, 64), 8: (4, 8), 64: (1, 2), 256: (1,)}
+# prefill / mixed: (rows, block_n, warps, stages, short_block_n)
+PREFILL = [(128, 64, 4, 3, 128), (128, 128, 8, 3, 128), (128, 64, 8, 3, 128), (256, 64, 8, 3, 128),
+           (128, 64, 4, 3, 64), (128, 64, 4, 2, 128)]
 
 
 def _case(q_lens, ctx_lens, ranges):
@@ -36,7 +38,7 @@ def _case(q_lens, ctx_lens, ranges):
 
 def _time(case, cfg, splits, iters):
     meta, kc, vc, q, out = case
-    ws = split_workspace(q.shape[0], kb.HQ, kb.D, splits, kb.DEV) if splits > 1 else None
+    ws = split_workspace(q.shape[0], kb.HQ, kb.D, splits, kb.DEV, max_num_seqs=meta.max_num_seqs) if splits > 1 else None
     try:
         return time_ms(lambda: paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws, config=cfg),
                        iters=iters)
@@ -78,16 +80,16 @@ def sweep_prefill(rows, env):
              "prefill_4k": 4 * kb.HQ * kb.D * kb.causal_pairs(4096)}
     for name, spec in cases.items():
         case = _case(*spec)
-        for rws, bn, warps, stages in PREFILL:
-            cfg = KernelConfig(block_q=rws // 4, block_n=bn, num_warps=warps, num_stages=stages)
+        for rws, bn, warps, stages, short_n in PREFILL:
+            cfg = KernelConfig(block_q=rws // 4, block_n=bn, num_warps=warps, num_stages=stages, short_block_n=short_n)
             ms = _time(case, cfg, 1, 10)
             if ms is None:
                 continue
-            row = dict(bench=name, rows=rws, block_n=bn, warps=warps, stages=stages, ms=ms)
+            row = dict(bench=name, rows=rws, block_n=bn, warps=warps, stages=stages, short_block_n=short_n, ms=ms)
             if name in flops:
                 row["tflops"] = flops[name] / ms / 1e9
             rows.append(row)
-            print(f"{name:20s} rows={rws:3d} bn={bn:3d} w={warps} s={stages}: {ms:8.4f} ms "
+            print(f"{name:20s} rows={rws:3d} bn={bn:3d} w={warps} s={stages} short={short_n}: {ms:8.4f} ms "
                   f"{row.get('tflops', 0):6.1f} TFLOP/s", flush=True)
         del case
 

@@ -9,11 +9,17 @@ Work split: a program owns one KV head and a tile of BLOCK_Q consecutive new tok
 sequence, times the QPK query heads that share that KV head (so each K/V tile is loaded
 once for all of them: BLOCK_M = BLOCK_Q * QPK_PAD rows). Programs find their sequence by a
 binary search over ``query_start_loc`` on the device, so the grid depends only on the
-capacities (tokens, sequences) and the same launch serves any step that fits.
+capacities (tokens, sequences) and the same launch serves any step that fits. Sequences
+of at most SHORT_Q new tokens (decodes in a mixed launch) take a 16-row tile with longer
+key tiles instead, so prefill-sized tiles do not multiply their cost.
+
+Key tiles that every row of a query tile sees in full (below the causal diagonal, inside
+the window) skip the mask; only the tiles at the edges build it.
 
 Split-KV (flash-decoding): with NUM_SPLITS > 1 each tile's visible key span is cut on the
 device into NUM_SPLITS equal runs of key tiles; each split writes a partial output and its
-log-sum-exp, and ``_merge_kernel`` combines them. The split count is fixed at launch, the
+log-sum-exp and takes a ticket from an atomic counter, and the split that takes the last
+ticket merges the partials (no second kernel). The split count is fixed at launch, the
 split lengths follow each step's contexts on the device.
 """
 
@@ -108,9 +114,10 @@ def _attend_span(
 
 
 @triton.jit
-def _attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr,
+def _attend_tile(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+    prefix_ranges_ptr, block_table_ptr,
+    i_tile, i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -119,7 +126,6 @@ def _attn_kernel(
     stride_po_tok, stride_po_head, stride_po_split,
     stride_pl_tok, stride_pl_head,
     scale_log2e, softcap, window,
-    max_num_seqs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     QPK: tl.constexpr, QPK_PAD: tl.constexpr,
@@ -128,35 +134,12 @@ def _attn_kernel(
     USE_WINDOW: tl.constexpr, GEMMA4: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
+    """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
+    sequence over this split's share of its visible key tiles; writes the output, or the
+    partial output and log-sum-exp (the tile's last split to finish merges them)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
-    # Tiles in reverse order: a sequence's last query tiles see the most keys (causal), so
-    # they start first and the short ones fill the tail of the launch.
-    i_tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_kvh = tl.program_id(1)
-    i_split = tl.program_id(2)
-
-    # Sequence of this tile: sequence i owns virtual tiles starting at
-    # query_start_loc[i] // BLOCK_Q + i (strictly increasing in i), so search for the last
-    # start <= i_tile. Over-allocated tiles fall past q_len and exit below.
-    lo = i_tile * 0                                       # a tensor in compiled and interpreted mode
-    hi = lo + max_num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if mid_start <= i_tile:
-            lo = mid + 1
-        else:
-            hi = mid
-    i_seq = lo - 1
-    q_start = tl.load(query_start_loc_ptr + i_seq)
-    q_len = tl.load(query_start_loc_ptr + i_seq + 1) - q_start
-    i_qblk = i_tile - (q_start // BLOCK_Q + i_seq)
-    if i_qblk * BLOCK_Q >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + i_seq)
     ctx_len = seq_len - q_len
-
     o_m = tl.arange(0, BLOCK_M)
     o_tok = i_qblk * BLOCK_Q + o_m // QPK_PAD            # token index within the sequence's new tokens
     o_head = o_m % QPK_PAD
@@ -235,47 +218,112 @@ def _attn_kernel(
     has_keys = l_i > 0.0
     b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     o_tok_abs = (q_start + o_tok).to(tl.int64)
+    m_out = m_row[:, None] & m_d[None, :]
+    p_out = out_ptr + o_tok_abs[:, None] * stride_o_tok + i_qh[:, None] * stride_o_head + o_d[None, :]
     if NUM_SPLITS == 1:
-        p_o = out_ptr + o_tok_abs[:, None] * stride_o_tok + i_qh[:, None] * stride_o_head + o_d[None, :]
-        tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
+        tl.store(p_out, b_o.to(out_ptr.dtype.element_ty), mask=m_out)
     else:
-        p_o = (part_o_ptr + o_tok_abs[:, None] * stride_po_tok + i_qh[:, None] * stride_po_head
-               + i_split * stride_po_split + o_d[None, :])
-        tl.store(p_o, b_o, mask=m_row[:, None] & m_d[None, :])
-        b_lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        p_lse = part_lse_ptr + o_tok_abs * stride_pl_tok + i_qh * stride_pl_head + i_split
-        tl.store(p_lse, b_lse, mask=m_row)
+        p_po = part_o_ptr + o_tok_abs[:, None] * stride_po_tok + i_qh[:, None] * stride_po_head + o_d[None, :]
+        p_pl = part_lse_ptr + o_tok_abs * stride_pl_tok + i_qh * stride_pl_head
+        tl.store(p_po + i_split * stride_po_split, b_o, mask=m_out)
+        tl.store(p_pl + i_split, tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")),
+                 mask=m_row)
+        # Take a ticket once every thread's partial is stored; the release/acquire atomic
+        # orders the other splits' partials before the last one reads them. The last split
+        # merges and puts the counter back to 0 for the next launch (or graph replay).
+        tl.debug_barrier()
+        p_count = counter_ptr + i_tile * tl.num_programs(1) + i_kvh
+        if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            w_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+            o_all = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+            for j in range(NUM_SPLITS):
+                lse_j = tl.load(p_pl + j, mask=m_row, other=float("-inf"), cache_modifier=".cg")
+                o_j = tl.load(p_po + j * stride_po_split, mask=m_out, other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_all, lse_j)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_all - m_safe)
+                w_j = tl.exp2(lse_j - m_safe)
+                o_all = o_all * alpha[:, None] + o_j * w_j[:, None]
+                w_all = w_all * alpha + w_j
+                m_all = m_new
+            b_out = o_all / tl.where(w_all > 0.0, w_all, 1.0)[:, None]
+            tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_out)
+            tl.store(p_count, 0)
 
 
 @triton.jit
-def _merge_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr, query_start_loc_ptr,
+def _attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr,
+    stride_q_tok, stride_q_head,
+    stride_k_blk, stride_k_tok, stride_k_head,
+    stride_v_blk, stride_v_tok, stride_v_head,
     stride_o_tok, stride_o_head,
+    stride_bt_seq, stride_bt_blk,
     stride_po_tok, stride_po_head, stride_po_split,
     stride_pl_tok, stride_pl_head,
+    scale_log2e, softcap, window,
     max_num_seqs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    QPK: tl.constexpr, QPK_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SHORT_Q: tl.constexpr, SHORT_BLOCK_N: tl.constexpr,
+    MAX_RANGES: tl.constexpr,
+    USE_WINDOW: tl.constexpr, GEMMA4: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
-    i_tok = tl.program_id(0)
-    i_head = tl.program_id(1)
-    if i_tok >= tl.load(query_start_loc_ptr + max_num_seqs):   # padding past the step's tokens
+    # Tiles in reverse order: a sequence's last query tiles see the most keys (causal), so
+    # they start first and the short ones fill the tail of the launch.
+    i_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_kvh = tl.program_id(1)
+    i_split = tl.program_id(2)
+
+    # Sequence of this tile: sequence i owns virtual tiles starting at
+    # query_start_loc[i] // BLOCK_Q + i (strictly increasing in i), so search for the last
+    # start <= i_tile. Over-allocated tiles fall past q_len and exit below.
+    lo = i_tile * 0                                       # a tensor in compiled and interpreted mode
+    hi = lo + max_num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if mid_start <= i_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    i_seq = lo - 1
+    q_start = tl.load(query_start_loc_ptr + i_seq)
+    q_len = tl.load(query_start_loc_ptr + i_seq + 1) - q_start
+    i_qblk = i_tile - (q_start // BLOCK_Q + i_seq)
+    if i_qblk * BLOCK_Q >= q_len:
         return
-    o_s = tl.arange(0, SPLITS_PAD)
-    o_d = tl.arange(0, HEAD_DIM_PAD)
-    m_s = o_s < NUM_SPLITS
-    m_d = o_d < HEAD_DIM
-    base_l = part_lse_ptr + i_tok.to(tl.int64) * stride_pl_tok + i_head * stride_pl_head
-    b_lse = tl.load(base_l + o_s, mask=m_s, other=float("-inf"))   # [SPLITS_PAD]
-    lse_max = tl.max(b_lse, axis=0)                                 # finite: the diagonal key is in some split
-    w = tl.exp2(b_lse - lse_max)
-    w = w / tl.sum(w, axis=0)
-    base_o = part_o_ptr + i_tok.to(tl.int64) * stride_po_tok + i_head * stride_po_head
-    # [SPLITS_PAD, HEAD_DIM_PAD]
-    b_o = tl.load(base_o + o_s[:, None] * stride_po_split + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
-    b_out = tl.sum(b_o * w[:, None], axis=0)
-    p_out = out_ptr + i_tok.to(tl.int64) * stride_o_tok + i_head * stride_o_head + o_d
-    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_d)
+    seq_len = tl.load(seq_lens_ptr + i_seq)
+
+    if SHORT_Q > 0 and q_len <= SHORT_Q:
+        # A decode (or short chunk) inside a launch tiled for prefills: a tile of SHORT_Q
+        # tokens and longer key tiles, so it costs what it would in a decode launch.
+        _attend_tile(
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+            prefix_ranges_ptr, block_table_ptr,
+            i_tile, i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len,
+            stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
+            stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
+            stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
+            stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
+            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, SHORT_Q, SHORT_BLOCK_N, MAX_RANGES,
+            USE_WINDOW, GEMMA4, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT)
+    else:
+        _attend_tile(
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+            prefix_ranges_ptr, block_table_ptr,
+            i_tile, i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len,
+            stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
+            stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
+            stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
+            stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
+            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
+            USE_WINDOW, GEMMA4, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT)
 
 
 @dataclass(frozen=True)
@@ -286,43 +334,65 @@ class KernelConfig:
     block_n: int        # keys per inner iteration
     num_warps: int = 4
     num_stages: int = 2
+    # Key tile for sequences of at most 16 // next_pow2(queries per KV head) new tokens
+    # (decodes inside a mixed launch); they get a 16-row tile instead of block_q tokens.
+    # None: every sequence gets the main tile.
+    short_block_n: int | None = None
+
+
+# (head_dim <= 128, element bytes) -> (decode config, mixed config as (rows, block_n,
+# warps, stages, short_block_n)). Measured on the H200 (benchmarks/NOTES.md); shared
+# memory per program stays under ~200 KB: stages x block_n x head_dim x 2 (K and V) x bytes.
+_TABLE = {
+    (True, 2): ((128, 4, 3), (128, 64, 4, 3, 128)),
+    (False, 2): ((64, 4, 2), (32, 32, 4, 2, 64)),
+    (True, 4): ((64, 4, 2), (64, 32, 4, 2, 64)),
+    (False, 4): ((32, 4, 2), (32, 16, 4, 2, 32)),
+}
 
 
 def default_config(head_dim: int, dtype: torch.dtype, queries_per_kv: int, *,
                    max_query_len: int | None = None) -> KernelConfig:
-    """Static table. ``max_query_len == 1`` (a decode-only launch) picks the smallest tile
-    that ``tl.dot`` accepts, since a decode has one token per sequence."""
+    """Static table per head_dim and dtype. ``max_query_len == 1`` (a decode-only launch)
+    picks the smallest tile ``tl.dot`` accepts (16 rows), since a decode has one token;
+    otherwise prefill-sized tiles, with decodes in the launch on a 16-row short path."""
     qpk_pad = triton.next_power_of_2(queries_per_kv)
-    block_n = 64 if head_dim <= 128 else 32
+    decode, (rows, block_n, warps, stages, short_n) = _TABLE[(head_dim <= 128, 4 if dtype.itemsize >= 4 else 2)]
     if max_query_len == 1:
-        return KernelConfig(block_q=max(1, 16 // qpk_pad), block_n=block_n, num_warps=4, num_stages=2)
-    rows = 64 if head_dim <= 128 else 32
-    return KernelConfig(block_q=max(1, rows // qpk_pad), block_n=block_n, num_warps=4, num_stages=2)
+        return KernelConfig(block_q=max(1, 16 // qpk_pad), block_n=decode[0], num_warps=decode[1],
+                            num_stages=decode[2])
+    return KernelConfig(block_q=max(1, rows // qpk_pad), block_n=block_n, num_warps=warps, num_stages=stages,
+                        short_block_n=short_n)
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) -> int:
     """Split-KV factor for a decode launch of ``num_seqs`` sequences, fixed before capture:
-    split when sequences x KV heads give fewer than two waves of programs; the split
+    about two programs per SM (sequences x KV heads x splits), at most 64; the split
     lengths then follow each step's contexts on the device. 1 off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(16, (2 * sms) // (num_seqs * num_kv_heads)))
+    return max(1, min(64, (2 * sms) // (num_seqs * num_kv_heads)))
 
 
 def split_workspace(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
-                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial outputs [T, Hq, splits, D] and log-sum-exps [T, Hq, splits], float32."""
+                    device: torch.device | str, *, max_num_seqs: int | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Buffers of a split-KV launch: partial outputs [T, Hq, splits, D] and log-sum-exps
+    [T, Hq, splits] (float32), and zeroed int32 tickets [(T + max_num_seqs) * Hq] that the
+    kernel leaves at zero. ``max_num_seqs`` is the metadata's sequence capacity (default T)."""
     part_o = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
     part_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
-    return part_o, part_lse
+    tickets = torch.zeros((num_tokens + (num_tokens if max_num_seqs is None else max_num_seqs)) * num_q_heads,
+                          dtype=torch.int32, device=device)
+    return part_o, part_lse, tickets
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     meta: AttentionMetadata, *, scale: float | None = None, window: int | None = None,
                     composition: str = "gemma3", softcap: float | None = None, num_splits: int = 1,
-                    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                     max_query_len: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """Attention of the step's new tokens over their paged K/V; writes ``out`` in place.
 
@@ -371,28 +441,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if cfg.block_q * qpk_pad < 16:
         raise ValueError(f"config.block_q={cfg.block_q} gives {cfg.block_q * qpk_pad} tile rows, need >= 16")
 
+    short_q = max(1, 16 // qpk_pad)
+    short_block_n = cfg.short_block_n if cfg.short_block_n and short_q < cfg.block_q else 0
+
+    max_num_seqs = meta.max_num_seqs
+    num_tiles = num_tokens // cfg.block_q + max_num_seqs
     if num_splits > 1:
         if workspace is None:
-            workspace = split_workspace(num_tokens, num_q_heads, head_dim, num_splits, device)
-        part_o, part_lse = workspace
+            workspace = split_workspace(num_tokens, num_q_heads, head_dim, num_splits, device,
+                                        max_num_seqs=max_num_seqs)
+        if not isinstance(workspace, tuple) or len(workspace) != 3:
+            raise TypeError("workspace must be the 3 tensors that split_workspace(...) returns")
+        part_o, part_lse, tickets = workspace
         check_tensor("workspace[0]", part_o, dim=4, dtypes=(torch.float32,), device=device)
         check_tensor("workspace[1]", part_lse, dim=3, dtypes=(torch.float32,), device=device)
+        check_tensor("workspace[2]", tickets, dim=1, dtypes=(torch.int32,), device=device)
         if part_o.shape[0] < num_tokens or tuple(part_o.shape[1:]) != (num_q_heads, num_splits, head_dim):
             raise ValueError(f"workspace[0] must be [>= {num_tokens}, {num_q_heads}, {num_splits}, {head_dim}], "
                              f"got {tuple(part_o.shape)}")
         if part_lse.shape[0] < num_tokens or tuple(part_lse.shape[1:]) != (num_q_heads, num_splits):
             raise ValueError(f"workspace[1] must be [>= {num_tokens}, {num_q_heads}, {num_splits}], "
                              f"got {tuple(part_lse.shape)}")
-        if part_lse.stride(2) != 1:
-            raise ValueError("workspace[1] needs a contiguous last dim")
+        if part_lse.stride(2) != 1 or tickets.stride(0) != 1:
+            raise ValueError("workspace[1] and workspace[2] need a contiguous last dim")
+        if tickets.numel() < num_tiles * num_kv_heads:
+            raise ValueError(f"workspace[2] holds {tickets.numel()} tickets, this launch needs "
+                             f"{num_tiles * num_kv_heads} (split_workspace(..., max_num_seqs={max_num_seqs}))")
     else:
-        part_o, part_lse = out, out    # unused by the kernel when NUM_SPLITS == 1
+        part_o, part_lse, tickets = out, out, out    # unused by the kernel when NUM_SPLITS == 1
 
-    max_num_seqs = meta.max_num_seqs
-    num_tiles = num_tokens // cfg.block_q + max_num_seqs
     head_dim_pad = triton.next_power_of_2(head_dim)
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse,
+        q, k_cache, v_cache, out, part_o, part_lse, tickets,
         meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -405,20 +485,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_num_seqs,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=block_size,
         QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
+        SHORT_Q=short_q if short_block_n else 0, SHORT_BLOCK_N=short_block_n,
         MAX_RANGES=meta.max_prefix_ranges,
         USE_WINDOW=window is not None, GEMMA4=composition == "gemma4", USE_SOFTCAP=softcap is not None,
         NUM_SPLITS=num_splits, IEEE_DOT=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if num_splits > 1:
-        _merge_kernel[(num_tokens, num_q_heads)](
-            out, part_o, part_lse, meta.query_start_loc,
-            out.stride(0), out.stride(1),
-            part_o.stride(0), part_o.stride(1), part_o.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            max_num_seqs,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
     return out

@@ -156,7 +156,7 @@ def test_same_launch_serves_changing_steps(device):
     fixed = {name: getattr(first, name).clone() for name in first.__dataclass_fields__}
     meta = type(first)(**fixed)
     out = torch.empty_like(q)
-    workspace = split_workspace(num_tokens, 4, 64, 3, device)
+    workspace = split_workspace(num_tokens, 4, 64, 3, device, max_num_seqs=num_seqs)
     for seqs in steps:
         new, _ = build_meta(seqs, block_size=16, num_blocks=num_blocks, max_ranges=2, rng=rng, device=device,
                             num_seqs=num_seqs, num_tokens=num_tokens)
