@@ -38,7 +38,7 @@ def _case(q_lens, ctx_lens, ranges):
 
 def _time(case, cfg, splits, iters):
     meta, kc, vc, q, out = case
-    ws = split_workspace(q.shape[0], kb.HQ, kb.D, splits, kb.DEV, max_num_seqs=meta.max_num_seqs) if splits > 1 else None
+    ws = split_workspace(q.shape[0], kb.HQ, kb.D, splits, kb.DEV) if splits > 1 else None
     try:
         return time_ms(lambda: paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws, config=cfg),
                        iters=iters)

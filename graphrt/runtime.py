@@ -56,8 +56,7 @@ class StepContext:
         write_kv(k, v, rt.k_caches[layer], rt.v_caches[layer], self.meta)
         out = torch.empty_like(q)
         if self._num_splits > 1 and self._workspace is None:
-            self._workspace = split_workspace(self.num_tokens, q.shape[1], q.shape[2], self._num_splits, q.device,
-                                              max_num_seqs=self.num_seqs)
+            self._workspace = split_workspace(self.num_tokens, q.shape[1], q.shape[2], self._num_splits, q.device)
         return paged_attention(q, rt.k_caches[layer], rt.v_caches[layer], out, self.meta, scale=scale, window=window,
                                composition=composition, softcap=softcap, num_splits=self._num_splits,
                                workspace=self._workspace, max_query_len=self._max_query_len)

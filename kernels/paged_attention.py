@@ -18,8 +18,7 @@ the window) skip the mask; only the tiles at the edges build it.
 
 Split-KV (flash-decoding): with NUM_SPLITS > 1 each tile's visible key span is cut on the
 device into NUM_SPLITS equal runs of key tiles; each split writes a partial output and its
-log-sum-exp and takes a ticket from an atomic counter, and the split that takes the last
-ticket merges the partials (no second kernel). The split count is fixed at launch, the
+log-sum-exp, and ``_merge_kernel`` combines them. The split count is fixed at launch, the
 split lengths follow each step's contexts on the device.
 """
 
@@ -40,7 +39,7 @@ COMPOSITIONS = ("gemma3", "gemma4")
 
 @triton.jit
 def _attend_span(
-    acc, l_i, m_i, kt_start, kt_end,
+    acc, l_i, m_i, a_start, a_count, b_start, b_count,
     b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
     p_bt, stride_bt_blk, k_head_ptr, v_head_ptr,
     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
@@ -49,10 +48,12 @@ def _attend_span(
     USE_WINDOW: tl.constexpr, GEMMA4: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """Online-softmax update of (acc, l_i, m_i) over key tiles [kt_start, kt_end).
+    """Online-softmax update of (acc, l_i, m_i) over a_count key tiles from a_start, then
+    b_count from b_start (two runs, one loop: one copy of the code to compile).
     MASKED=False is for tiles every row of the tile sees in full (all keys causal, inside
     the window and before seq_len): no mask is built and no load is masked by position."""
-    for kt in range(kt_start, kt_end):
+    for j in range(0, a_count + b_count):
+        kt = tl.where(j < a_count, a_start + j, b_start + (j - a_count))
         k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
         if MASKED:
             m_k = k_pos < seq_len
@@ -115,9 +116,9 @@ def _attend_span(
 
 @triton.jit
 def _attend_tile(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     prefix_ranges_ptr, block_table_ptr,
-    i_tile, i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len,
+    i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -136,7 +137,7 @@ def _attend_tile(
 ):
     """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
     sequence over this split's share of its visible key tiles; writes the output, or the
-    partial output and log-sum-exp (the tile's last split to finish merges them)."""
+    partial output and log-sum-exp of its split for ``_merge_kernel``."""
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
     ctx_len = seq_len - q_len
@@ -198,22 +199,21 @@ def _attend_tile(
     p_bt = block_table_ptr + i_seq.to(tl.int64) * stride_bt_seq
     k_head_ptr = k_cache_ptr + i_kvh * stride_k_head
     v_head_ptr = v_cache_ptr + i_kvh * stride_v_head
-    # This split's share [st_lo, st_hi) of three runs: masked, full, masked.
+    # This split's share [st_lo, st_hi) of three runs: masked, full, masked (the two
+    # masked runs go through one loop).
+    lo_end = tl.minimum(ft_lo, st_hi)
+    hi_start = tl.maximum(ft_hi, st_lo)
     acc, l_i, m_i = _attend_span(
-        acc, l_i, m_i, st_lo, tl.minimum(ft_lo, st_hi),
+        acc, l_i, m_i, st_lo, tl.maximum(lo_end - st_lo, 0), hi_start, tl.maximum(st_hi - hi_start, 0),
         b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
         o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, True)
+    full_start = tl.maximum(ft_lo, st_lo)
     acc, l_i, m_i = _attend_span(
-        acc, l_i, m_i, tl.maximum(ft_lo, st_lo), tl.minimum(ft_hi, st_hi),
+        acc, l_i, m_i, full_start, tl.maximum(tl.minimum(ft_hi, st_hi) - full_start, 0), 0, 0,
         b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
         o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, False)
-    acc, l_i, m_i = _attend_span(
-        acc, l_i, m_i, tl.maximum(ft_hi, st_lo), st_hi,
-        b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-        p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, True)
 
     has_keys = l_i > 0.0
     b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -228,33 +228,11 @@ def _attend_tile(
         tl.store(p_po + i_split * stride_po_split, b_o, mask=m_out)
         tl.store(p_pl + i_split, tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")),
                  mask=m_row)
-        # Take a ticket once every thread's partial is stored; the release/acquire atomic
-        # orders the other splits' partials before the last one reads them. The last split
-        # merges and puts the counter back to 0 for the next launch (or graph replay).
-        tl.debug_barrier()
-        p_count = counter_ptr + i_tile * tl.num_programs(1) + i_kvh
-        if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            w_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-            o_all = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-            for j in range(NUM_SPLITS):
-                lse_j = tl.load(p_pl + j, mask=m_row, other=float("-inf"), cache_modifier=".cg")
-                o_j = tl.load(p_po + j * stride_po_split, mask=m_out, other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m_all, lse_j)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_all - m_safe)
-                w_j = tl.exp2(lse_j - m_safe)
-                o_all = o_all * alpha[:, None] + o_j * w_j[:, None]
-                w_all = w_all * alpha + w_j
-                m_all = m_new
-            b_out = o_all / tl.where(w_all > 0.0, w_all, 1.0)[:, None]
-            tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_out)
-            tl.store(p_count, 0)
 
 
 @triton.jit
 def _attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
@@ -304,9 +282,9 @@ def _attn_kernel(
         # A decode (or short chunk) inside a launch tiled for prefills: a tile of SHORT_Q
         # tokens and longer key tiles, so it costs what it would in a decode launch.
         _attend_tile(
-            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr,
-            i_tile, i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len,
+            i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
@@ -315,15 +293,46 @@ def _attn_kernel(
             USE_WINDOW, GEMMA4, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT)
     else:
         _attend_tile(
-            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr,
-            i_tile, i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len,
+            i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
             USE_WINDOW, GEMMA4, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr, query_start_loc_ptr,
+    stride_o_tok, stride_o_head,
+    stride_po_tok, stride_po_head, stride_po_split,
+    stride_pl_tok, stride_pl_head,
+    max_num_seqs,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    i_tok = tl.program_id(0)
+    i_head = tl.program_id(1)
+    if i_tok >= tl.load(query_start_loc_ptr + max_num_seqs):   # padding past the step's tokens
+        return
+    o_s = tl.arange(0, SPLITS_PAD)
+    o_d = tl.arange(0, HEAD_DIM_PAD)
+    m_s = o_s < NUM_SPLITS
+    m_d = o_d < HEAD_DIM
+    base_l = part_lse_ptr + i_tok.to(tl.int64) * stride_pl_tok + i_head * stride_pl_head
+    b_lse = tl.load(base_l + o_s, mask=m_s, other=float("-inf"))   # [SPLITS_PAD]
+    lse_max = tl.max(b_lse, axis=0)                                 # finite: the diagonal key is in some split
+    w = tl.exp2(b_lse - lse_max)
+    w = w / tl.sum(w, axis=0)
+    base_o = part_o_ptr + i_tok.to(tl.int64) * stride_po_tok + i_head * stride_po_head
+    # [SPLITS_PAD, HEAD_DIM_PAD]
+    b_o = tl.load(base_o + o_s[:, None] * stride_po_split + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+    b_out = tl.sum(b_o * w[:, None], axis=0)
+    p_out = out_ptr + i_tok.to(tl.int64) * stride_o_tok + i_head * stride_o_head + o_d
+    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_d)
 
 
 @dataclass(frozen=True)
@@ -340,27 +349,35 @@ class KernelConfig:
     short_block_n: int | None = None
 
 
-# (head_dim <= 128, element bytes) -> (decode config, mixed config as (rows, block_n,
-# warps, stages, short_block_n)). Measured on the H200 (benchmarks/NOTES.md); shared
-# memory per program stays under ~200 KB: stages x block_n x head_dim x 2 (K and V) x bytes.
+# (head_dim <= 128, element bytes) -> (decode config (block_n, warps, stages), mixed
+# config (rows, block_n, warps, stages, short_block_n), mixed config for launches of at
+# least LARGE_LAUNCH tokens). 2-byte rows for head_dim <= 128 come from the H200 sweep
+# (benchmarks/NOTES.md); the others keep shared memory per program under ~200 KB:
+# stages x block_n x head_dim x 2 (K and V) x bytes.
 _TABLE = {
-    (True, 2): ((128, 4, 3), (128, 64, 4, 3, 128)),
-    (False, 2): ((64, 4, 2), (32, 32, 4, 2, 64)),
-    (True, 4): ((64, 4, 2), (64, 32, 4, 2, 64)),
-    (False, 4): ((32, 4, 2), (32, 16, 4, 2, 32)),
+    (True, 2): ((128, 4, 2), (128, 64, 4, 3, 128), (256, 64, 8, 3, 128)),
+    (False, 2): ((64, 4, 2), (32, 32, 4, 2, 64), (64, 32, 4, 2, 64)),
+    (True, 4): ((64, 4, 2), (64, 32, 4, 2, 64), (64, 32, 4, 2, 64)),
+    (False, 4): ((32, 4, 2), (32, 16, 4, 2, 32), (32, 16, 4, 2, 32)),
 }
+# A launch with room for this many tokens is prefill-dominated (at most max_num_seqs of
+# them can be decodes): its 8-warp 256-row tiles are ~20% faster on prefills and ~25%
+# slower on the decodes beside them than the 4-warp 128-row ones.
+LARGE_LAUNCH = 8192
 
 
 def default_config(head_dim: int, dtype: torch.dtype, queries_per_kv: int, *,
-                   max_query_len: int | None = None) -> KernelConfig:
+                   max_query_len: int | None = None, num_tokens: int | None = None) -> KernelConfig:
     """Static table per head_dim and dtype. ``max_query_len == 1`` (a decode-only launch)
     picks the smallest tile ``tl.dot`` accepts (16 rows), since a decode has one token;
-    otherwise prefill-sized tiles, with decodes in the launch on a 16-row short path."""
+    otherwise prefill-sized tiles (larger ones when the launch's token capacity
+    ``num_tokens`` is at least LARGE_LAUNCH), with decodes in the launch on a 16-row path."""
     qpk_pad = triton.next_power_of_2(queries_per_kv)
-    decode, (rows, block_n, warps, stages, short_n) = _TABLE[(head_dim <= 128, 4 if dtype.itemsize >= 4 else 2)]
+    decode, mixed, large = _TABLE[(head_dim <= 128, 4 if dtype.itemsize >= 4 else 2)]
     if max_query_len == 1:
         return KernelConfig(block_q=max(1, 16 // qpk_pad), block_n=decode[0], num_warps=decode[1],
                             num_stages=decode[2])
+    rows, block_n, warps, stages, short_n = large if (num_tokens or 0) >= LARGE_LAUNCH else mixed
     return KernelConfig(block_q=max(1, rows // qpk_pad), block_n=block_n, num_warps=warps, num_stages=stages,
                         short_block_n=short_n)
 
@@ -377,22 +394,17 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) 
 
 
 def split_workspace(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
-                    device: torch.device | str, *, max_num_seqs: int | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Buffers of a split-KV launch: partial outputs [T, Hq, splits, D] and log-sum-exps
-    [T, Hq, splits] (float32), and zeroed int32 tickets [(T + max_num_seqs) * Hq] that the
-    kernel leaves at zero. ``max_num_seqs`` is the metadata's sequence capacity (default T)."""
+                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial outputs [T, Hq, splits, D] and log-sum-exps [T, Hq, splits], float32."""
     part_o = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
     part_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
-    tickets = torch.zeros((num_tokens + (num_tokens if max_num_seqs is None else max_num_seqs)) * num_q_heads,
-                          dtype=torch.int32, device=device)
-    return part_o, part_lse, tickets
+    return part_o, part_lse
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     meta: AttentionMetadata, *, scale: float | None = None, window: int | None = None,
                     composition: str = "gemma3", softcap: float | None = None, num_splits: int = 1,
-                    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
                     max_query_len: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """Attention of the step's new tokens over their paged K/V; writes ``out`` in place.
 
@@ -436,7 +448,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     qpk = num_q_heads // num_kv_heads
-    cfg = config or default_config(head_dim, q.dtype, qpk, max_query_len=max_query_len)
+    cfg = config or default_config(head_dim, q.dtype, qpk, max_query_len=max_query_len, num_tokens=num_tokens)
     qpk_pad = triton.next_power_of_2(qpk)
     if cfg.block_q * qpk_pad < 16:
         raise ValueError(f"config.block_q={cfg.block_q} gives {cfg.block_q * qpk_pad} tile rows, need >= 16")
@@ -448,31 +460,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tiles = num_tokens // cfg.block_q + max_num_seqs
     if num_splits > 1:
         if workspace is None:
-            workspace = split_workspace(num_tokens, num_q_heads, head_dim, num_splits, device,
-                                        max_num_seqs=max_num_seqs)
-        if not isinstance(workspace, tuple) or len(workspace) != 3:
-            raise TypeError("workspace must be the 3 tensors that split_workspace(...) returns")
-        part_o, part_lse, tickets = workspace
+            workspace = split_workspace(num_tokens, num_q_heads, head_dim, num_splits, device)
+        part_o, part_lse = workspace
         check_tensor("workspace[0]", part_o, dim=4, dtypes=(torch.float32,), device=device)
         check_tensor("workspace[1]", part_lse, dim=3, dtypes=(torch.float32,), device=device)
-        check_tensor("workspace[2]", tickets, dim=1, dtypes=(torch.int32,), device=device)
         if part_o.shape[0] < num_tokens or tuple(part_o.shape[1:]) != (num_q_heads, num_splits, head_dim):
             raise ValueError(f"workspace[0] must be [>= {num_tokens}, {num_q_heads}, {num_splits}, {head_dim}], "
                              f"got {tuple(part_o.shape)}")
         if part_lse.shape[0] < num_tokens or tuple(part_lse.shape[1:]) != (num_q_heads, num_splits):
             raise ValueError(f"workspace[1] must be [>= {num_tokens}, {num_q_heads}, {num_splits}], "
                              f"got {tuple(part_lse.shape)}")
-        if part_lse.stride(2) != 1 or tickets.stride(0) != 1:
-            raise ValueError("workspace[1] and workspace[2] need a contiguous last dim")
-        if tickets.numel() < num_tiles * num_kv_heads:
-            raise ValueError(f"workspace[2] holds {tickets.numel()} tickets, this launch needs "
-                             f"{num_tiles * num_kv_heads} (split_workspace(..., max_num_seqs={max_num_seqs}))")
+        if part_lse.stride(2) != 1:
+            raise ValueError("workspace[1] needs a contiguous last dim")
     else:
-        part_o, part_lse, tickets = out, out, out    # unused by the kernel when NUM_SPLITS == 1
+        part_o, part_lse = out, out    # unused by the kernel when NUM_SPLITS == 1
 
     head_dim_pad = triton.next_power_of_2(head_dim)
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, tickets,
+        q, k_cache, v_cache, out, part_o, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -491,4 +496,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_SPLITS=num_splits, IEEE_DOT=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if num_splits > 1:
+        _merge_kernel[(num_tokens, num_q_heads)](
+            out, part_o, part_lse, meta.query_start_loc,
+            out.stride(0), out.stride(1),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            max_num_seqs,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
     return out

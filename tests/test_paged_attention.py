@@ -73,7 +73,7 @@ CASES = [
     Case("full-tiles-softcap-split", FULL_TILES, softcap=3.0, q_scale=3.0, splits=2,
          config=KernelConfig(block_q=8, block_n=32)),
     Case("large-tiles", (S(130, 0, ((10, 60),)), S(1, 200), S(70, 90, ((100, 150),))),
-         config=KernelConfig(block_q=32, block_n=128)),
+         config=KernelConfig(block_q=64, block_n=64, short_block_n=128)),
     Case("random-small-tiles-window", window=29, config=KernelConfig(block_q=4, block_n=16)),
     Case("random"),
     Case("random-window", window=24),
@@ -156,7 +156,7 @@ def test_same_launch_serves_changing_steps(device):
     fixed = {name: getattr(first, name).clone() for name in first.__dataclass_fields__}
     meta = type(first)(**fixed)
     out = torch.empty_like(q)
-    workspace = split_workspace(num_tokens, 4, 64, 3, device, max_num_seqs=num_seqs)
+    workspace = split_workspace(num_tokens, 4, 64, 3, device)
     for seqs in steps:
         new, _ = build_meta(seqs, block_size=16, num_blocks=num_blocks, max_ranges=2, rng=rng, device=device,
                             num_seqs=num_seqs, num_tokens=num_tokens)

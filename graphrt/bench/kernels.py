@@ -78,7 +78,7 @@ def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50):
     q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=DT)
     out = torch.empty_like(q)
     splits = decode_splits(len(q_lens), HKV, DEV) if decode else 1
-    ws = split_workspace(q.shape[0], HQ, D, splits, DEV, max_num_seqs=len(q_lens)) if splits > 1 else None
+    ws = split_workspace(q.shape[0], HQ, D, splits, DEV) if splits > 1 else None
     ms = time_ms(lambda: paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws,
                                          max_query_len=1 if decode else None), iters=iters)
     return ms, splits
