@@ -84,8 +84,11 @@ def time_ms(fn, *, iters: int = 50, graph: bool = True) -> float:
 
 def profile_steps(run_step, steps: int) -> dict:
     """Profile ``steps`` calls of ``run_step`` (CUDA): GPU busy fraction (union of GPU
-    activity over the wall time), HtoD copies and bytes per step, synchronising calls made
-    while stepping (the closing synchronize excluded) and ring back-pressure waits."""
+    activity over the wall time, ``gpu_busy``; and over the span from the first GPU
+    activity to the last, ``gpu_busy_span``, which leaves out the host's lead-in before the
+    first step reaches the GPU), GPU µs per step, HtoD copies and bytes per step,
+    synchronising calls made while stepping (the closing synchronize excluded) and ring
+    back-pressure waits."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.cuda.synchronize()
@@ -112,7 +115,9 @@ def profile_steps(run_step, steps: int) -> dict:
     (window,) = [(e["ts"], e["ts"] + e["dur"]) for e in events
                  if e.get("name") == "bench_steps" and e.get("cat") == "user_annotation"]
     runtime = [e for e in events if e.get("cat") == "cuda_runtime" and window[0] <= e["ts"] <= window[1]]
-    return dict(gpu_busy=min(1.0, busy / wall_us), h2d_copies=len(h2d) / steps,
+    span = (gpu[-1][1] - gpu[0][0]) if gpu else 0.0
+    return dict(gpu_busy=min(1.0, busy / wall_us), gpu_busy_span=min(1.0, busy / span) if span else 0.0,
+                gpu_us=busy / steps, h2d_copies=len(h2d) / steps,
                 h2d_bytes=sum(e.get("args", {}).get("bytes", 0) for e in h2d) / steps,
                 h2d_pageable=sum("Pinned" not in e["name"] for e in h2d) / steps,
                 syncs=sum(e["name"] in SYNC_CALLS for e in runtime) / steps,

@@ -124,7 +124,7 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
                 row = dict(bench="step", impl=impl, layers=layers, batch=batch, context=context,
                            host_us=1e6 * float(np.median(host)), wall_us=1e6 * wall)
                 if cuda:
-                    row.update(profile_steps(fn, 5))
+                    row.update(profile_steps(fn, 20))
                 rows.append(row)
             del caches, cache, rt, graph_rt
     if cuda and not quick:
@@ -137,11 +137,12 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
 
 
 def _report(rows: list[dict]) -> None:
-    print(f"{'L':>3} {'batch':>5} {'impl':>18} {'host us':>9} {'wall us':>9} {'busy':>5} {'h2d':>5} {'bytes':>8} "
-          f"{'syncs':>5} {'waits':>5}")
+    print(f"{'L':>3} {'batch':>5} {'impl':>18} {'host us':>9} {'wall us':>9} {'gpu us':>9} {'busy':>5} {'span':>5} "
+          f"{'h2d':>5} {'bytes':>8} {'syncs':>5} {'waits':>5}")
     for r in rows:
         print(f"{r['layers']:3d} {r['batch']:5d} {r['impl']:>18} {r['host_us']:9.0f} {r['wall_us']:9.0f} "
-              f"{r.get('gpu_busy', 0):5.2f} {r.get('h2d_copies', 0):5.1f} {r.get('h2d_bytes', 0):8.0f} "
+              f"{r.get('gpu_us', 0):9.0f} {r.get('gpu_busy', 0):5.2f} {r.get('gpu_busy_span', 0):5.2f} "
+              f"{r.get('h2d_copies', 0):5.1f} {r.get('h2d_bytes', 0):8.0f} "
               f"{r.get('syncs', 0):5.1f} {r.get('ring_waits', 0):5.1f}")
 
 
