@@ -38,6 +38,80 @@ COMPOSITIONS = ("gemma3", "gemma4")
 
 
 @triton.jit
+def _attend_key_tile(
+    acc, l_i, m_i, kt,
+    b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+    p_bt, stride_bt_blk, k_head_ptr, v_head_ptr,
+    stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+    o_d, m_d,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, GEMMA4: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) with key tile kt. MASKED=False is for tiles
+    every row of the query tile sees in full (all keys causal, inside the window and
+    before seq_len): no mask is built and no load is masked by position."""
+    k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
+    if MASKED:
+        m_k = k_pos < seq_len
+        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0).to(tl.int64)
+    else:
+        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk).to(tl.int64)
+    i_off = k_pos % KV_BLOCK_SIZE
+    # K as [HEAD_DIM_PAD, BLOCK_N], V as [BLOCK_N, HEAD_DIM_PAD]
+    p_k = k_head_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok)[None, :] + o_d[:, None]
+    p_v = v_head_ptr + (i_blk * stride_v_blk + i_off * stride_v_tok)[:, None] + o_d[None, :]
+    if MASKED:
+        b_k = tl.load(p_k, mask=m_k[None, :] & m_d[:, None], other=0.0)
+        b_v = tl.load(p_v, mask=m_k[:, None] & m_d[None, :], other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PAD:
+        b_k = tl.load(p_k)
+        b_v = tl.load(p_v)
+    else:
+        b_k = tl.load(p_k, mask=m_d[:, None], other=0.0)
+        b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+
+    if IEEE_DOT:
+        b_s = tl.dot(b_q, b_k, input_precision="ieee")
+    else:
+        b_s = tl.dot(b_q, b_k)
+    if USE_SOFTCAP:
+        # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1): saturates to +-1
+        b_s = b_s * (scale_log2e * 0.6931471805599453 / softcap)
+        b_s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * b_s) + 1.0)) * 1.4426950408889634
+    else:
+        b_s = b_s * scale_log2e
+
+    if MASKED:
+        causal = k_pos[None, :] <= q_pos[:, None]
+        same_range = (k_pos[None, :] >= r_start[:, None]) & (k_pos[None, :] < r_end[:, None])
+        if USE_WINDOW:
+            in_window = (q_pos[:, None] - k_pos[None, :]) < window
+            if GEMMA4:
+                visible = (causal | same_range) & in_window
+            else:
+                visible = (causal & in_window) | same_range
+        else:
+            visible = causal | same_range
+        visible = visible & m_k[None, :]
+        b_s = tl.where(visible, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))            # finite: every key is visible
+        m_safe = m_new
+    b_p = tl.exp2(b_s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(b_p, axis=1)
+    if IEEE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+    m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attend_span(
     acc, l_i, m_i, a_start, a_count, b_start, b_count,
     b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
@@ -48,69 +122,22 @@ def _attend_span(
     USE_WINDOW: tl.constexpr, GEMMA4: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """Online-softmax update of (acc, l_i, m_i) over a_count key tiles from a_start, then
-    b_count from b_start (two runs, one loop: one copy of the code to compile).
-    MASKED=False is for tiles every row of the tile sees in full (all keys causal, inside
-    the window and before seq_len): no mask is built and no load is masked by position."""
-    for j in range(0, a_count + b_count):
-        kt = tl.where(j < a_count, a_start + j, b_start + (j - a_count))
-        k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
-        if MASKED:
-            m_k = k_pos < seq_len
-            i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0).to(tl.int64)
-        else:
-            i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk).to(tl.int64)
-        i_off = k_pos % KV_BLOCK_SIZE
-        # K as [HEAD_DIM_PAD, BLOCK_N], V as [BLOCK_N, HEAD_DIM_PAD]
-        p_k = k_head_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok)[None, :] + o_d[:, None]
-        p_v = v_head_ptr + (i_blk * stride_v_blk + i_off * stride_v_tok)[:, None] + o_d[None, :]
-        if MASKED:
-            b_k = tl.load(p_k, mask=m_k[None, :] & m_d[:, None], other=0.0)
-            b_v = tl.load(p_v, mask=m_k[:, None] & m_d[None, :], other=0.0)
-        elif HEAD_DIM == HEAD_DIM_PAD:
-            b_k = tl.load(p_k)
-            b_v = tl.load(p_v)
-        else:
-            b_k = tl.load(p_k, mask=m_d[:, None], other=0.0)
-            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
-
-        if IEEE_DOT:
-            b_s = tl.dot(b_q, b_k, input_precision="ieee")
-        else:
-            b_s = tl.dot(b_q, b_k)
-        if USE_SOFTCAP:
-            # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1): saturates to +-1
-            b_s = b_s * (scale_log2e * 0.6931471805599453 / softcap)
-            b_s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * b_s) + 1.0)) * 1.4426950408889634
-        else:
-            b_s = b_s * scale_log2e
-
-        if MASKED:
-            causal = k_pos[None, :] <= q_pos[:, None]
-            same_range = (k_pos[None, :] >= r_start[:, None]) & (k_pos[None, :] < r_end[:, None])
-            if USE_WINDOW:
-                in_window = (q_pos[:, None] - k_pos[None, :]) < window
-                if GEMMA4:
-                    visible = (causal | same_range) & in_window
-                else:
-                    visible = (causal & in_window) | same_range
-            else:
-                visible = causal | same_range
-            visible = visible & m_k[None, :]
-            b_s = tl.where(visible, b_s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
-        else:
-            m_new = tl.maximum(m_i, tl.max(b_s, axis=1))            # finite: every key is visible
-            m_safe = m_new
-        b_p = tl.exp2(b_s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(b_p, axis=1)
-        if IEEE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-        m_i = m_new
+    """(acc, l_i, m_i) over a_count key tiles from a_start, then b_count from b_start. The
+    masked tiles' two runs share one loop (one copy of the code to compile); the full
+    tiles (b_count 0) keep a plain counted loop, which the software pipeliner handles best."""
+    if MASKED:
+        for j in range(0, a_count + b_count):
+            kt = tl.where(j < a_count, a_start + j, b_start + (j - a_count))
+            acc, l_i, m_i = _attend_key_tile(
+                acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+                p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, True)
+    else:
+        for kt in range(a_start, a_start + a_count):
+            acc, l_i, m_i = _attend_key_tile(
+                acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+                p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, False)
     return acc, l_i, m_i
 
 
