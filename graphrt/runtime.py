@@ -23,6 +23,7 @@ import torch
 from graphrt.buffers import DeviceViews, Layout, StepBuffers
 from graphrt.config import RuntimeConfig
 from graphrt.kernels import decode_splits, paged_attention, split_workspace, write_kv
+from graphrt.kernels.ops import attention_op
 from graphrt.step import Step
 from graphrt.tracing import Tracer
 from graphrt.capture import Bucket, CapturedGraph, GraphSet, default_buckets, make_buckets
@@ -40,7 +41,9 @@ class StepContext:
         self._rt = runtime
         self._max_query_len = max_query_len
         self._num_splits = num_splits
-        self._workspace = None
+        cfg = runtime.cfg
+        self._workspace = (split_workspace(self.num_tokens, cfg.num_q_heads, cfg.head_dim, num_splits, runtime.device)
+                           if num_splits > 1 else None)
 
     @property
     def last_token_index(self) -> torch.Tensor:
@@ -53,13 +56,15 @@ class StepContext:
         """Write k, v ([T, Hkv, D]) into layer's cache, then attend q ([T, Hq, D]) over it.
         Returns [T, Hq, D]; rows past the step's tokens are unspecified."""
         rt = self._rt
-        write_kv(k, v, rt.k_caches[layer], rt.v_caches[layer], self.meta)
+        k_cache, v_cache = rt.k_caches[layer], rt.v_caches[layer]
         out = torch.empty_like(q)
-        if self._num_splits > 1 and self._workspace is None:
-            self._workspace = split_workspace(self.num_tokens, q.shape[1], q.shape[2], self._num_splits, q.device)
-        return paged_attention(q, rt.k_caches[layer], rt.v_caches[layer], out, self.meta, scale=scale, window=window,
-                               composition=composition, softcap=softcap, num_splits=self._num_splits,
-                               workspace=self._workspace, max_query_len=self._max_query_len)
+        opts = dict(scale=scale, window=window, composition=composition, softcap=softcap,
+                    num_splits=self._num_splits, max_query_len=self._max_query_len)
+        if torch.compiler.is_compiling():       # torch.compile traces the custom ops (graphrt.kernels.ops)
+            torch.ops.graphrt.write_kv(k, v, k_cache, v_cache, self.meta.slot_mapping)
+            return attention_op(q, k_cache, v_cache, out, self.meta, workspace=self._workspace, **opts)
+        write_kv(k, v, k_cache, v_cache, self.meta)
+        return paged_attention(q, k_cache, v_cache, out, self.meta, workspace=self._workspace, **opts)
 
 
 @dataclass

@@ -1,0 +1,65 @@
+"""graphrt's launchers as ``torch.library`` custom ops, for code that ``torch.compile`` traces.
+
+``torch.ops.graphrt.write_kv`` and ``torch.ops.graphrt.paged_attention`` take the metadata
+as its five tensors and write their outputs in place (declared with ``mutates_args``, so
+functionalization and Inductor's re-inplacing keep the writes). Their fake
+implementations do nothing: every output is an argument. Eager code should call
+``graphrt.kernels.write_kv`` / ``paged_attention`` directly (no dispatcher overhead);
+``graphrt.StepContext.attention`` switches to these ops while it is being compiled.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .kv_write import write_kv as _write_kv
+from .metadata import AttentionMetadata
+from .paged_attention import paged_attention as _paged_attention
+
+
+@torch.library.custom_op("graphrt::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T] int64."""
+    _write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+@write_kv.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.custom_op("graphrt::paged_attention", mutates_args=("out", "part_o", "part_lse"))
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                    prefix_ranges: torch.Tensor, slot_mapping: torch.Tensor, scale: Optional[float] = None,
+                    window: Optional[int] = None, composition: str = "gemma3", softcap: Optional[float] = None,
+                    num_splits: int = 1, part_o: Optional[torch.Tensor] = None,
+                    part_lse: Optional[torch.Tensor] = None, max_query_len: Optional[int] = None) -> None:
+    """``graphrt.kernels.paged_attention`` with the metadata's tensors spelled out and the
+    split workspace as two optional tensors; writes ``out`` ([T, Hq, D]) in place."""
+    meta = AttentionMetadata(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                             prefix_ranges=prefix_ranges, slot_mapping=slot_mapping)
+    workspace = None if part_o is None or part_lse is None else (part_o, part_lse)
+    _paged_attention(q, k_cache, v_cache, out, meta, scale=scale, window=window, composition=composition,
+                     softcap=softcap, num_splits=num_splits, workspace=workspace, max_query_len=max_query_len)
+
+
+@paged_attention.register_fake
+def _(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, prefix_ranges, slot_mapping, scale=None,
+      window=None, composition="gemma3", softcap=None, num_splits=1, part_o=None, part_lse=None,
+      max_query_len=None) -> None:
+    return None
+
+
+def attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                 meta: AttentionMetadata, *, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 **opts) -> torch.Tensor:
+    """``paged_attention`` through the custom op, taking an AttentionMetadata; returns out."""
+    part_o, part_lse = workspace if workspace is not None else (None, None)
+    torch.ops.graphrt.paged_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
+                                      meta.block_table, meta.prefix_ranges, meta.slot_mapping,
+                                      part_o=part_o, part_lse=part_lse, **opts)
+    return out
