@@ -3,6 +3,6 @@ largest-first capture after a warm-up, replay in the smallest bucket that fits, 
 guard that refuses to replay graphs whose tensors were replaced."""
 
 from .buckets import Bucket, BucketIndex, default_buckets, make_buckets
-from .graphs import CapturedGraph, GraphSet
+from .graphs import CaptureError, CapturedGraph, GraphSet
 
-__all__ = ["Bucket", "BucketIndex", "CapturedGraph", "GraphSet", "default_buckets", "make_buckets"]
+__all__ = ["Bucket", "BucketIndex", "CaptureError", "CapturedGraph", "GraphSet", "default_buckets", "make_buckets"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -22,6 +23,42 @@ class CapturedGraph:
     outputs: Any                # what the step function returned while capturing: static tensors
     seconds: float              # warm-up + capture time
     pool_bytes: int             # growth of the allocator's reserved memory during this capture
+
+
+class CaptureError(RuntimeError):
+    """Some buckets could not be captured (out of GPU memory). The graphs captured before
+    and after them stay usable; steps that only the failed buckets would have served run
+    in a larger captured bucket or eagerly. ``failures``: [(bucket, bytes asked or None)]."""
+
+    def __init__(self, failures: list[tuple[Bucket, int | None]], captured: int, total: int):
+        self.failures = failures
+        parts = [f"{b} (asked for {_gib(n)})" if n else f"{b}" for b, n in failures]
+        super().__init__(f"graphrt: out of GPU memory capturing {', '.join(parts)}; {captured} of {total} buckets "
+                         f"captured, the rest run eagerly. Lower max_num_tokens / max_num_seqs or capture fewer "
+                         f"buckets.")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2 ** 30:.2f} GiB"
+
+
+def _out_of_memory(exc: BaseException) -> torch.OutOfMemoryError | None:
+    """The OOM behind ``exc``: itself, or what it was raised while handling (ending a
+    capture after an allocation failed raises its own error)."""
+    seen = 0
+    while exc is not None and seen < 4:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _asked_bytes(oom: torch.OutOfMemoryError) -> int | None:
+    """Bytes of the failed allocation, from the allocator's message ("Tried to allocate 2.00 GiB")."""
+    m = re.search(r"[Tt]ried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)", str(oom))
+    if not m:
+        return None
+    return int(float(m.group(1)) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(m.group(2)))
 
 
 class GraphSet:
@@ -55,21 +92,35 @@ class GraphSet:
         stream = torch.cuda.Stream()
         gc.collect()
         gc.freeze()     # torch.cuda.graph collects garbage on entry: keep that cheap across many buckets
+        failures: list[tuple[Bucket, int | None]] = []
         try:
             for bucket in sorted(buckets, reverse=True):
                 t0 = time.perf_counter()
                 reserved = torch.cuda.memory_reserved()
-                run = prepare(bucket)
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(warmup):      # compiles kernels and warms the allocator outside the graph
-                        run()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                span = trace.range("capture", bucket=bucket) if trace else contextlib.nullcontext()
-                with span, torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    outputs = run()
-                torch.cuda.synchronize()
+                graph = None
+                try:
+                    run = prepare(bucket)
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        for _ in range(warmup):      # compiles kernels and warms the allocator outside the graph
+                            run()
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    span = trace.range("capture", bucket=bucket) if trace else contextlib.nullcontext()
+                    with span, torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        outputs = run()
+                    torch.cuda.synchronize()
+                except Exception as exc:
+                    oom = _out_of_memory(exc)
+                    if oom is None:
+                        raise
+                    # Drop the partial graph (its pool blocks go back) and go on with the
+                    # smaller buckets, which may fit.
+                    del graph
+                    torch.cuda.synchronize()
+                    failures.append((bucket, _asked_bytes(oom)))
+                    self.graphs.pop(bucket, None)
+                    continue
                 captured = CapturedGraph(bucket, graph, outputs, time.perf_counter() - t0,
                                          torch.cuda.memory_reserved() - reserved)
                 self.graphs[bucket] = captured
@@ -77,8 +128,10 @@ class GraphSet:
                     progress(captured)
         finally:
             gc.unfreeze()
-        self.index = BucketIndex(list(self.graphs))
-        self._addresses = tuple(t.data_ptr() for _, t in self._guard())
+            self.index = BucketIndex(list(self.graphs))
+            self._addresses = tuple(t.data_ptr() for _, t in self._guard())
+        if failures:
+            raise CaptureError(failures, captured=len(buckets) - len(failures), total=len(buckets))
 
     def pick(self, num_seqs: int, num_tokens: int, is_decode: bool) -> CapturedGraph | None:
         bucket = self.index.pick(num_seqs, num_tokens, is_decode)

@@ -129,10 +129,14 @@ class Runtime:
 
     # ---------------------------------------------------------------- capture
     def capture(self, decode_buckets: Sequence[int] | None = None, mixed_buckets: Sequence[int] | None = None, *,
-                progress: Callable[[CapturedGraph], None] | None = None) -> list[CapturedGraph]:
+                progress: Callable[[CapturedGraph], None] | None = None, quiet: bool = False) -> list[CapturedGraph]:
         """Capture one graph per bucket (defaults: ``capture.default_buckets``), largest
         first, in one memory pool. Decode buckets count sequences, mixed buckets tokens.
-        A no-op returning [] on CPU."""
+        A progress bar shows on an interactive terminal unless ``quiet``; ``progress`` is
+        called with each captured graph. A no-op returning [] on CPU.
+
+        Raises ``graphrt.capture.CaptureError`` naming the buckets that ran out of GPU
+        memory (and the bytes asked for); the other buckets are captured and usable."""
         if self.graphs is None:
             return []
         cfg = self.cfg
@@ -150,7 +154,18 @@ class Runtime:
             self._contexts[bucket] = ctx
             return lambda: self.model_step(ctx)
 
-        self.graphs.capture(buckets, prepare, trace=self.tracer, progress=progress)
+        from tqdm.auto import tqdm
+
+        # disable=None: tqdm shows the bar only on a terminal
+        with tqdm(total=len(buckets), desc="graphrt capture", unit="graph", disable=True if quiet else None,
+                  leave=False, dynamic_ncols=True) as bar:
+            def captured(graph: CapturedGraph) -> None:
+                bar.set_postfix_str(f"{graph.bucket} {graph.seconds:.2f} s", refresh=False)
+                bar.update(1)
+                if progress:
+                    progress(graph)
+
+            self.graphs.capture(buckets, prepare, trace=self.tracer, progress=captured)
         return [self.graphs.graphs[b] for b in sorted(buckets, reverse=True)]
 
     def _guarded(self) -> list[tuple[str, torch.Tensor]]:

@@ -238,3 +238,41 @@ def test_given_caches_on_plain_cuda_device():
     caches = ([torch.zeros(shape, dtype=cfg.dtype, device="cuda")], [torch.zeros(shape, dtype=cfg.dtype, device="cuda")])
     rt = Runtime(cfg, model, num_layers=1, device="cuda", kv_caches=caches)
     assert rt.device == caches[0][0].device and rt.k_caches[0] is caches[0][0]
+
+
+@pytest.mark.gpu
+def test_capture_out_of_memory_leaves_a_working_runtime():
+    """A bucket that does not fit under a memory cap fails with an error naming it and the
+    bytes asked for; the smaller buckets are captured and replay, the rest runs eagerly."""
+    from graphrt.capture import CaptureError
+
+    device = torch.device("cuda")
+    cfg = small_cfg(torch.float32, max_num_tokens=128)
+    model = ToyModel(cfg, num_layers=1, hidden=64, vocab=50, device=device)
+
+    def step_fn(ctx):
+        # scratch that grows with the bucket: 64 MiB per token of capacity
+        torch.empty(ctx.num_tokens * 64 * 2 ** 20, dtype=torch.uint8, device=device)
+        return model(ctx)
+
+    rt = Runtime(cfg, step_fn, num_layers=1, device=device)
+    plain = Runtime(cfg, model, num_layers=1, device=device)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 3 * 2 ** 30) / total)
+    try:
+        with pytest.raises(CaptureError, match=r"mixed\[seqs=6,tokens=128\] \(asked for 8\.00 GiB\)") as err:
+            rt.capture(decode_buckets=[2], mixed_buckets=[16, 128], quiet=True)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert [str(b) for b, _ in err.value.failures] == ["mixed[seqs=6,tokens=128]"]
+    assert sorted(str(b) for b in rt.graphs.graphs) == ["decode[seqs=2,tokens=2]", "mixed[seqs=6,tokens=16]"]
+    steps = [(Step([SeqStep(q_len=1, context_len=9, block_ids=[0])]), "replay"),
+             (Step([SeqStep(q_len=12, context_len=0, block_ids=[1])]), "replay"),
+             (Step([SeqStep(q_len=40, context_len=3, block_ids=[2, 3, 4])]), "eager")]
+    for step, mode in steps:
+        ids = np.arange(step.num_tokens) % 50
+        got = tuple(t.clone() for t in rt.step(step, ids))
+        assert rt.last.mode == mode, f"{step.num_tokens}-token step ran {rt.last.mode}, expected {mode}"
+        compare(f"after capture failure ({mode})", got, plain.step(step, ids), step.num_seqs, step.num_tokens,
+                torch.float32, 0)

@@ -39,7 +39,7 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
         caches = (list(cache) * layers, list(cache) * layers)       # one cache for all layers: same bytes read
         for nvtx_on in (False, True):
             rt = Runtime(cfg, model, num_layers=layers, device=device, nvtx=nvtx_on, kv_caches=caches)
-            rt.capture(decode_buckets=batches, mixed_buckets=[cfg.max_num_tokens])
+            rt.capture(decode_buckets=batches, mixed_buckets=[cfg.max_num_tokens], quiet=True)
             for batch in progress(batches, f"runtime L={layers} nvtx={nvtx_on}", quiet):
                 per = -(-(context + 1) // cfg.block_size)
                 table = np.arange(batch * per).reshape(batch, per)

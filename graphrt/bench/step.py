@@ -99,7 +99,7 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
             graph_rt = None
             if cuda:
                 graph_rt = Runtime(cfg, model, num_layers=layers, device=device, kv_caches=caches)
-                graph_rt.capture(decode_buckets=[batch], mixed_buckets=[])
+                graph_rt.capture(decode_buckets=[batch], mixed_buckets=[], quiet=True)
             ways = {
                 "per_layer_rebuild": lambda: model(_RebuildContext(step, ids, cfg, device, *caches, per_layer=True)),
                 "per_step_rebuild": lambda: model(_RebuildContext(step, ids, cfg, device, *caches, per_layer=False)),
