@@ -1,4 +1,4 @@
-"""``graphrt`` command line: ``graphrt demo`` and ``graphrt bench``."""
+"""``graphrt`` command line: ``graphrt demo``, ``graphrt bench`` and ``graphrt profile``."""
 
 from __future__ import annotations
 
@@ -36,11 +36,26 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="tiny sizes; on CPU always")
     bench.add_argument("--no-flex", action="store_true", help="skip compiled flex_attention in kernels")
     bench.add_argument("--out", type=Path, default=None)
+    prof = sub.add_parser("profile", help="profile decode steps of the toy model: trace + per-step GPU figures")
+    prof.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    prof.add_argument("--layers", type=int, default=8)
+    prof.add_argument("--batch", type=int, default=8)
+    prof.add_argument("--context", type=int, default=1024)
+    prof.add_argument("--steps", type=int, default=20)
+    prof.add_argument("--warmup", type=int, default=5)
+    prof.add_argument("--trace", type=Path, default=Path("graphrt_trace.json"), help="Chrome/Perfetto trace to write")
+    prof.add_argument("--nsys", action="store_true",
+                      help="no torch profiler: mark the steps with cudaProfilerStart/Stop and NVTX for Nsight Systems")
     args = parser.parse_args(argv)
 
     if args.command == "bench":
         return _bench(args)
     device = _pick_device(args.device)
+    if args.command == "profile":
+        from graphrt.profile import run_profile
+
+        return run_profile(device=device, layers=args.layers, batch=args.batch, context=args.context,
+                           steps=args.steps, warmup=args.warmup, trace=args.trace, nsys=args.nsys)
     from graphrt.demo import run_demo
 
     return run_demo(device=device, layers=args.layers, requests=args.requests, new_tokens=args.new_tokens,
