@@ -35,12 +35,17 @@ class _ReferenceContext:
 
 class ReferenceRunner:
     """``model_step`` over its own caches ([num_blocks, block_size, Hkv, D] per layer, in
-    cfg.dtype), attention computed in float64 by the reference."""
+    cfg.dtype), attention computed in float64 by the reference. ``kv_caches`` (k list, v
+    list) shares existing caches instead, e.g. a runtime's, to check any single step
+    against what the runtime's cache holds (its writes then land in those caches)."""
 
     def __init__(self, cfg: RuntimeConfig, model_step: Callable[[Any], Any], *, num_layers: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", kv_caches: tuple[list, list] | None = None):
         shape = (cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.cfg, self.model_step, self.device = cfg, model_step, torch.device(device)
+        if kv_caches is not None:
+            self.k_caches, self.v_caches = list(kv_caches[0]), list(kv_caches[1])
+            return
         self.k_caches = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(num_layers)]
 

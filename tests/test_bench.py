@@ -8,7 +8,8 @@ import pytest
 
 REQUIRED = {"step": {"impl", "layers", "batch", "host_us", "wall_us"},
             "kernels": {"impl", "ms"}, "runtime": {"impl", "layers", "batch", "host_us", "wall_us", "h2d_bytes"},
-            "capture": {"impl", "ms"}}
+            "capture": {"impl", "ms"},
+            "soak": {"impl", "steps", "checked", "mismatches", "host_us", "host_us_windows"}}
 
 
 @pytest.mark.parametrize("name", sorted(REQUIRED))
@@ -22,5 +23,7 @@ def test_bench_quick(name, tmp_path):
     benches = {"decode", "prefill", "prefill_ranges", "mixed"} if name == "kernels" else {name}
     for row in data["rows"]:
         assert row["bench"] in benches and REQUIRED[name] <= set(row), row
+    if name == "soak":
+        assert data["rows"][0]["checked"] >= 2 and data["rows"][0]["mismatches"] == 0, data["rows"][0]
     if name == "step":
         assert {r["impl"] for r in data["rows"]} >= {"per_layer_rebuild", "per_step_rebuild", "graphrt_eager"}
