@@ -46,5 +46,10 @@ class ToyModel(nn.Module):
             v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
             out = ctx.attention(i, q, k, v, window=self.windows[i], composition=self.composition,
                                 softcap=self.softcap)
-            x = x + out.flatten(1) @ self.w_o[i]
+            x = x + self.reduce(out.flatten(1) @ self.w_o[i])
         return x, x[ctx.last_token_index] @ self.embed.T
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum of the output projection over the ranks that hold a share of the heads
+        (identity here; ``graphrt.parallel.ParallelToyModel`` all-reduces)."""
+        return partial
