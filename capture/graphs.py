@@ -14,6 +14,7 @@ import torch
 from .buckets import Bucket, BucketIndex
 
 GuardFn = Callable[[], Sequence[tuple[str, torch.Tensor]]]
+FastGuardFn = Callable[[], Sequence[torch.Tensor]]
 
 
 @dataclass
@@ -63,18 +64,26 @@ def _asked_bytes(oom: torch.OutOfMemoryError) -> int | None:
 
 class GraphSet:
     """Owns the graphs. ``guard`` names every tensor the graphs read by address (caches,
-    arena, weights): a replay after any of them was replaced or reallocated is refused."""
+    arena, weights): a replay after any of them was replaced or reallocated is refused.
+    ``fast_guard``, when given, returns the same tensors in the same order without names;
+    each step compares their addresses, and only a mismatch pays for ``guard`` to name
+    what moved."""
 
-    def __init__(self, guard: GuardFn):
+    def __init__(self, guard: GuardFn, fast_guard: FastGuardFn | None = None):
         self.graphs: dict[Bucket, CapturedGraph] = {}
         self.index = BucketIndex([])
         self.pool = None
         self._guard = guard
+        self._fast_guard = fast_guard
         self._addresses: tuple[int, ...] | None = None
+        self._address_list: list[int] | None = None
 
     def check_guard(self) -> None:
         if self._addresses is None:
             return
+        if self._fast_guard is not None:
+            if list(map(torch.Tensor.data_ptr, self._fast_guard())) == self._address_list:
+                return
         now = self._guard()
         if len(now) != len(self._addresses) or any(t.data_ptr() != a for (_, t), a in zip(now, self._addresses)):
             moved = [name for (name, t), a in zip(now, self._addresses) if t.data_ptr() != a]
@@ -130,6 +139,7 @@ class GraphSet:
             gc.unfreeze()
             self.index = BucketIndex(list(self.graphs))
             self._addresses = tuple(t.data_ptr() for _, t in self._guard())
+            self._address_list = list(self._addresses)
         if failures:
             raise CaptureError(failures, captured=len(buckets) - len(failures), total=len(buckets))
 

@@ -122,7 +122,8 @@ class Runtime:
                                          f"got {tuple(c.shape)} {c.dtype} on {c.device}")
         self.strict = strict
         self.tracer = Tracer(nvtx)
-        self.graphs = GraphSet(self._guarded) if self.device.type == "cuda" else None
+        self.graphs = GraphSet(self._guarded, self._guarded_fast) if self.device.type == "cuda" else None
+        self._weight_slots: list[tuple[str, dict, str]] | None = None
         self.last: StepInfo | None = None
         self._layouts: dict[Bucket, Layout] = {}
         self._contexts: dict[Bucket, StepContext] = {}
@@ -139,6 +140,7 @@ class Runtime:
         memory (and the bytes asked for); the other buckets are captured and usable."""
         if self.graphs is None:
             return []
+        self._weight_slots = None             # the model may have changed since the last capture
         cfg = self.cfg
         default_decode, default_mixed = default_buckets(cfg.max_num_seqs, cfg.max_num_tokens)
         buckets = make_buckets(list(default_decode if decode_buckets is None else decode_buckets),
@@ -168,13 +170,33 @@ class Runtime:
             self.graphs.capture(buckets, prepare, trace=self.tracer, progress=captured)
         return [self.graphs.graphs[b] for b in sorted(buckets, reverse=True)]
 
+    def _weights(self) -> list[tuple[str, dict, str]]:
+        """(qualified name, owning dict, key) of every parameter and buffer of the model
+        step, deduplicated as ``named_parameters`` does; walked once (at capture), so the
+        per-step guard only looks the tensors up."""
+        if self._weight_slots is None:
+            slots, seen = [], set()
+            if isinstance(self.model_step, torch.nn.Module):
+                for kind in ("_parameters", "_buffers"):
+                    for prefix, module in self.model_step.named_modules():
+                        owner = getattr(module, kind)
+                        for key, t in owner.items():
+                            if t is not None and id(t) not in seen:
+                                seen.add(id(t))
+                                slots.append((f"{prefix}.{key}" if prefix else key, owner, key))
+            self._weight_slots = slots
+        return self._weight_slots
+
     def _guarded(self) -> list[tuple[str, torch.Tensor]]:
         pairs = [("arena", self.buffers.arena)]
         pairs += [(f"k_caches[{i}]", t) for i, t in enumerate(self.k_caches)]
         pairs += [(f"v_caches[{i}]", t) for i, t in enumerate(self.v_caches)]
-        if isinstance(self.model_step, torch.nn.Module):
-            pairs += list(self.model_step.named_parameters()) + list(self.model_step.named_buffers())
+        pairs += [(name, _weight(owner, key)) for name, owner, key in self._weights()]
         return pairs
+
+    def _guarded_fast(self) -> list[torch.Tensor]:
+        return [self.buffers.arena, *self.k_caches, *self.v_caches,
+                *[_weight(owner, key) for _, owner, key in self._weights()]]
 
     # ---------------------------------------------------------------- step
     def step(self, step: Step, input_ids: Any = None) -> Any:
@@ -214,6 +236,14 @@ class Runtime:
         self.last = StepInfo("replay" if captured is not None else "eager", bucket, step.num_seqs, step.num_tokens,
                              nbytes)
         return outputs
+
+
+_MISSING = torch.empty(0)     # stands for a deleted weight: address 0, which nothing captured has
+
+
+def _weight(owner: dict, key: str) -> torch.Tensor:
+    t = owner.get(key)
+    return _MISSING if t is None else t
 
 
 def _check_input_ids(input_ids: Any, num_tokens: int, device: torch.device):

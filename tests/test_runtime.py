@@ -276,3 +276,37 @@ def test_capture_out_of_memory_leaves_a_working_runtime():
         assert rt.last.mode == mode, f"{step.num_tokens}-token step ran {rt.last.mode}, expected {mode}"
         compare(f"after capture failure ({mode})", got, plain.step(step, ids), step.num_seqs, step.num_tokens,
                 torch.float32, 0)
+
+
+def test_guard_lists_agree_and_name_what_moved():
+    """The per-step guard (addresses only) and the named one list the same tensors; a
+    replaced cache or weight, or a deleted weight, fails the check and is named. Runs
+    without CUDA: the guard is plain Python over tensors."""
+    from graphrt.capture import GraphSet
+
+    cfg = small_cfg()
+    model = ToyModel(cfg, num_layers=2, hidden=64, vocab=50)
+    rt = Runtime(cfg, model, num_layers=2, device="cpu")
+    named = rt._guarded()
+    fast = rt._guarded_fast()
+    assert len(fast) == len(named) and all(a is b for (_, a), b in zip(named, fast))
+    assert [n for n, _ in named] == (["arena", "k_caches[0]", "k_caches[1]", "v_caches[0]", "v_caches[1]"]
+                                     + [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()])
+    graphs = GraphSet(rt._guarded, rt._guarded_fast)
+    graphs._addresses = tuple(t.data_ptr() for _, t in named)
+    graphs._address_list = list(graphs._addresses)
+    graphs.check_guard()
+    original = rt.v_caches[1]
+    rt.v_caches[1] = original.clone()
+    with pytest.raises(RuntimeError, match=r"v_caches\[1\] moved or was replaced"):
+        graphs.check_guard()
+    rt.v_caches[1] = original
+    graphs.check_guard()
+    w_o = model.w_o
+    model.w_o = torch.nn.Parameter(w_o.detach().clone(), requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"w_o moved or was replaced"):
+        graphs.check_guard()
+    model.w_o = w_o
+    del model._parameters["embed"]
+    with pytest.raises(RuntimeError, match=r"embed moved or was replaced"):
+        graphs.check_guard()
