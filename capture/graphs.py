@@ -78,12 +78,14 @@ class GraphSet:
         self._addresses: tuple[int, ...] | None = None
         self._address_list: list[int] | None = None
 
-    def check_guard(self) -> None:
-        if self._addresses is None:
-            return
+    def _guard_holds(self) -> bool:
         if self._fast_guard is not None:
-            if list(map(torch.Tensor.data_ptr, self._fast_guard())) == self._address_list:
-                return
+            return list(map(torch.Tensor.data_ptr, self._fast_guard())) == self._address_list
+        return [t.data_ptr() for _, t in self._guard()] == self._address_list
+
+    def check_guard(self) -> None:
+        if self._addresses is None or self._guard_holds():
+            return
         now = self._guard()
         if len(now) != len(self._addresses) or any(t.data_ptr() != a for (_, t), a in zip(now, self._addresses)):
             moved = [name for (name, t), a in zip(now, self._addresses) if t.data_ptr() != a]
@@ -94,8 +96,12 @@ class GraphSet:
     def capture(self, buckets: Sequence[Bucket], prepare: Callable[[Bucket], Callable[[], Any]], *,
                 warmup: int = 1, trace=None, progress: Callable[[CapturedGraph], None] | None = None) -> None:
         """Capture every bucket, largest first. ``prepare(bucket)`` stages an all-padding step
-        for the bucket and returns the function that runs one step of it."""
-        self.check_guard()
+        for the bucket and returns the function that runs one step of it. Graphs captured
+        earlier are dropped when a tensor they read has moved since (capturing again is
+        the way to go on after replacing a cache or a weight)."""
+        if self._addresses is not None and not self._guard_holds():
+            self.graphs.clear()
+            self.index = BucketIndex([])
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()

@@ -228,6 +228,10 @@ def test_replaced_cache_refuses_replay():
     model.w_o = torch.nn.Parameter(model.w_o.detach().clone(), requires_grad=False)
     with pytest.raises(RuntimeError, match=r"w_o moved or was replaced"):
         rt.step(step, [3])
+    # capturing again is the way on: the stale graphs are dropped, the new ones replay
+    rt.capture(decode_buckets=[2], mixed_buckets=[16], quiet=True)
+    rt.step(step, [3])
+    assert rt.last.mode == "replay"
 
 
 @pytest.mark.gpu
