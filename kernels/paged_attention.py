@@ -411,13 +411,15 @@ def default_config(head_dim: int, dtype: torch.dtype, queries_per_kv: int, *,
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) -> int:
     """Split-KV factor for a decode launch of ``num_seqs`` sequences, fixed before capture:
-    about two programs per SM (sequences x KV heads x splits), at most 64; the split
-    lengths then follow each step's contexts on the device. 1 off CUDA."""
+    about two programs per SM (sequences x KV heads x splits), rounded down to a power of
+    two (fewer kernel variants to compile across buckets), at most 64; the split lengths
+    then follow each step's contexts on the device. 1 off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(64, (2 * sms) // (num_seqs * num_kv_heads)))
+    want = max(1, min(64, (2 * sms) // (num_seqs * num_kv_heads)))
+    return 1 << (want.bit_length() - 1)
 
 
 def split_workspace(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
