@@ -9,7 +9,8 @@ import pytest
 REQUIRED = {"step": {"impl", "layers", "batch", "host_us", "wall_us"},
             "kernels": {"impl", "ms"}, "runtime": {"impl", "layers", "batch", "host_us", "wall_us", "h2d_bytes"},
             "capture": {"impl", "ms"},
-            "soak": {"impl", "steps", "checked", "mismatches", "host_us", "host_us_windows"}}
+            "soak": {"impl", "steps", "checked", "mismatches", "host_us", "host_us_windows"},
+            "parallel": {"impl", "ranks", "batch", "wall_us", "host_us", "speedup_vs_1"}}
 
 
 @pytest.mark.parametrize("name", sorted(REQUIRED))

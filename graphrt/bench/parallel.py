@@ -1,0 +1,120 @@
+"""Tensor-parallel step time: the same L-layer decode step on 1 device and with its heads
+sharded over 2 (``graphrt.parallel``: one all-reduce per layer, captured in each rank's
+graphs with NCCL). Each rank stages the same Step itself.
+
+On a machine with fewer than 2 GPUs (or with --quick) it runs tiny shapes over gloo on
+the CPU, which only shows the code runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from graphrt.bench.common import default_out, progress, write
+
+
+def _rank(rank: int, world: int, port: int, out: str, case: dict, backend: str) -> None:
+    import torch.distributed as dist
+
+    from graphrt import Runtime, RuntimeConfig, Step
+    from graphrt.parallel import ParallelToyModel, shard_config
+    from graphrt.toy import ToyModel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        batch, context, layers = case["batch"], case["context"], case["layers"]
+        per = -(-(context + 1) // 16)
+        cfg = RuntimeConfig(num_q_heads=case["heads"][0], num_kv_heads=case["heads"][1], head_dim=case["head_dim"],
+                            block_size=16, num_blocks=batch * per, max_num_seqs=batch, max_num_tokens=batch,
+                            max_model_len=context + 1, max_prefix_ranges=2,
+                            dtype=torch.bfloat16 if cuda else torch.float32)
+        toy = dict(num_layers=layers, hidden=case["hidden"], vocab=1024, seed=0)
+        model = (ParallelToyModel(cfg, rank=rank, world_size=world, device=device, **toy) if world > 1
+                 else ToyModel(cfg, device=device, **toy))
+        rt = Runtime(shard_config(cfg, world), model, num_layers=layers, device=device)
+        rt.capture(decode_buckets=[batch], mixed_buckets=[], quiet=True)
+        step = Step.from_arrays(q_lens=np.ones(batch, np.int64), context_lens=np.full(batch, context),
+                                block_table=np.arange(batch * per).reshape(batch, per),
+                                prefix_ranges=np.tile([[[1, 1 + min(256, context // 2)]]], (batch, 1, 1)))
+        ids = np.arange(batch) % 1000
+        for _ in range(case["warmup"]):
+            rt.step(step, ids)
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        host, t0 = [], time.perf_counter()
+        for _ in range(case["steps"]):
+            t1 = time.perf_counter()
+            logits = rt.step(step, ids)[1]
+            host.append(time.perf_counter() - t1)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / case["steps"]
+        if rank == 0:
+            Path(out).write_text(json.dumps(dict(wall_us=1e6 * wall, host_us=1e6 * float(np.median(host)),
+                                                 mode=rt.last.mode, checksum=float(logits.float().sum()))))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    multi = gpus >= 2 and not quick
+    backend = "nccl" if multi else "gloo"
+    if multi:
+        base = dict(heads=(32, 8), head_dim=128, hidden=4096, layers=32, context=4096, warmup=10, steps=50)
+        batches = [1, 8, 64]
+    else:
+        base = dict(heads=(4, 2), head_dim=64, hidden=64, layers=2, context=40, warmup=1, steps=2)
+        batches = [1, 2]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in progress(batches, "parallel", quiet):
+            for world in (1, 2):
+                case = dict(base, batch=batch)
+                result = Path(tmp) / f"b{batch}_w{world}.json"
+                mp.spawn(_rank, args=(world, _free_port(), str(result), case, backend), nprocs=world, join=True)
+                r = json.loads(result.read_text())
+                rows.append(dict(bench="parallel", impl="graphrt_graph" if r["mode"] == "replay" else "graphrt_eager",
+                                 backend=backend, gpus=world if multi else 0, ranks=world, layers=base["layers"],
+                                 batch=batch, context=base["context"], hidden=base["hidden"], **r))
+    for r in rows:
+        one = next(x for x in rows if x["batch"] == r["batch"] and x["ranks"] == 1)
+        r["speedup_vs_1"] = one["wall_us"] / r["wall_us"]
+        print(f"parallel {r['backend']} ranks={r['ranks']} batch={r['batch']:3d}: {r['wall_us']:9.0f} us/step "
+              f"(host {r['host_us']:.0f} us, {r['mode']}), {r['speedup_vs_1']:.2f}x one rank")
+    path = write(out, "parallel" if multi else "parallel_quick", rows)
+    if not quiet:
+        print(f"wrote {path}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    run(quick=args.quick, out=args.out or default_out())
