@@ -34,6 +34,9 @@ def default_buckets(max_num_seqs: int, max_num_tokens: int) -> tuple[list[int], 
 
 
 def make_buckets(decode: list[int], mixed: list[int], max_num_seqs: int, max_num_tokens: int) -> list[Bucket]:
+    """Buckets from sizes: decode sizes count sequences (one token each), mixed sizes
+    count tokens (with room for min(max_num_seqs, tokens) sequences). ValueError for a
+    size outside [1, capacity]."""
     for name, sizes, limit in (("decode_buckets", decode, max_num_seqs), ("mixed_buckets", mixed, max_num_tokens)):
         for size in sizes:
             if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= limit:
@@ -53,6 +56,10 @@ class BucketIndex:
         self._mixed_keys = [b.num_tokens for b in self.mixed]
 
     def pick(self, num_seqs: int, num_tokens: int, is_decode: bool) -> Bucket | None:
+        """The smallest bucket holding the step: for a decode step the smallest decode
+        bucket of >= num_seqs sequences; otherwise (or when none is that large) the
+        smallest mixed bucket of >= num_tokens tokens and >= num_seqs sequences; None when
+        none fits (the step runs eagerly)."""
         if is_decode:
             i = bisect.bisect_left(self._decode_keys, num_seqs)
             if i < len(self.decode):

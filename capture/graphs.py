@@ -84,6 +84,7 @@ class GraphSet:
         return [t.data_ptr() for _, t in self._guard()] == self._address_list
 
     def check_guard(self) -> None:
+        """Raise RuntimeError naming the guarded tensors that moved since capture."""
         if self._addresses is None or self._guard_holds():
             return
         now = self._guard()
@@ -150,6 +151,7 @@ class GraphSet:
             raise CaptureError(failures, captured=len(buckets) - len(failures), total=len(buckets))
 
     def pick(self, num_seqs: int, num_tokens: int, is_decode: bool) -> CapturedGraph | None:
+        """The captured graph of the smallest bucket that fits, or None."""
         bucket = self.index.pick(num_seqs, num_tokens, is_decode)
         return None if bucket is None else self.graphs[bucket]
 

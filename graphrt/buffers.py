@@ -120,9 +120,13 @@ class StepBuffers:
         self.wait_seconds = 0.0      # host time spent waiting for a free slot (back-pressure)
 
     def layout(self, num_seqs: int, num_tokens: int) -> Layout:
+        """The arena layout of a bucket of num_seqs sequences and num_tokens tokens."""
         return Layout.make(num_seqs, num_tokens, self.cfg.max_prefix_ranges, self.cfg.max_blocks_per_seq)
 
     def device_views(self, layout: Layout) -> DeviceViews:
+        """Typed device views of the arena under ``layout``: the AttentionMetadata
+        (query_start_loc [S+1] i32, seq_lens [S] i32, block_table [S, B] i32 column-major,
+        prefix_ranges [S, R, 2] i32, slot_mapping [T] i64), positions and input_ids [T] i64."""
         v = layout.views(self.arena)
         meta = AttentionMetadata(query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"],
                                  block_table=v["block_table"], prefix_ranges=v["prefix_ranges"],

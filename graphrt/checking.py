@@ -50,4 +50,6 @@ class ReferenceRunner:
         self.v_caches = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(num_layers)]
 
     def step(self, step: Step, input_ids) -> Any:
+        """Run ``model_step`` on ``step`` (input_ids: [num_tokens] ints) with reference
+        attention; returns what the model step returns (unpadded: num_tokens rows)."""
         return self.model_step(_ReferenceContext(self, step, input_ids))

@@ -59,5 +59,6 @@ class ParallelToyModel(ToyModel):
         self.to(device)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) of this rank's output-projection share [T, hidden], in place."""
         dist.all_reduce(partial, group=self.group)
         return partial

@@ -11,6 +11,8 @@ _NULL = contextlib.nullcontext()
 
 
 class Tracer:
+    """NVTX ranges of the runtime (``enabled``), or no-ops."""
+
     def __init__(self, enabled: bool = False):
         self.enabled = enabled
         if enabled:
