@@ -118,12 +118,19 @@ class Step:
 
     def validate(self, cfg: RuntimeConfig) -> None:
         """Raise ValueError naming the sequence (and range) that breaks a limit of ``cfg``.
-        One pass of cheap reductions; the messages come from ``_diagnose`` on failure."""
+        One pass of cheap checks; the messages come from ``_diagnose`` on failure."""
         n = self.num_seqs
         if not 1 <= n <= cfg.max_num_seqs:
             raise ValueError(f"Step has {n} sequences; allowed 1..max_num_seqs={cfg.max_num_seqs}")
         if self.block_counts is None:
             self.block_counts = -(-self.seq_lens // cfg.block_size)
+        ok = self._checks_small(cfg) if n <= _SMALL_STEP else self._checks_numpy(cfg)
+        if not ok:
+            self._diagnose(cfg)     # raises, unless the fast checks were only conservative
+        self.block_columns = int(self.block_counts.max())
+
+    def _checks_numpy(self, cfg: RuntimeConfig) -> bool:
+        """Every limit at once, as array reductions (cheapest for many sequences)."""
         table = self.block_table
         r = self.ranges
         ok = (self.q_lens.min() >= 1 and self.context_lens.min() >= 0 and self.num_tokens <= cfg.max_num_tokens
@@ -137,9 +144,29 @@ class Step:
             s, e = r[:, :, 0], r[:, :, 1]
             ok = bool(((e > s) & (s >= 0) & (e <= self.seq_lens[:, None]) | ~used).all()
                       and ((s[:, 1:] >= e[:, :-1]) | ~used[:, 1:]).all())
-        if not ok:
-            self._diagnose(cfg)     # raises, unless the fast checks were only conservative
-        self.block_columns = int(self.block_counts.max())
+        return bool(ok)
+
+    def _checks_small(self, cfg: RuntimeConfig) -> bool:
+        """The same limits as ``_checks_numpy``, in Python over a few sequences (each numpy
+        call costs ~1 us, more than a short loop); the block table stays with numpy."""
+        q, c, sl = self.q_lens.tolist(), self.context_lens.tolist(), self.seq_lens.tolist()
+        counts, rcounts, table = self.block_counts.tolist(), self.range_counts.tolist(), self.block_table
+        if (min(q) < 1 or min(c) < 0 or self.num_tokens > cfg.max_num_tokens or max(sl) > cfg.max_model_len
+                or max(rcounts) > cfg.max_prefix_ranges):
+            return False
+        limit, bs = min(cfg.max_blocks_per_seq, table.shape[1]), cfg.block_size
+        if any(b * bs < s or b > limit for b, s in zip(counts, sl)):
+            return False
+        if table.size and (table.min() < 0 or table.max() >= cfg.num_blocks):
+            return False
+        if self.ranges.shape[1] and max(rcounts) > 0:
+            for row, k, seq_len in zip(self.ranges.tolist(), rcounts, sl):
+                prev_end = 0                  # a range starts at >= 0 and at >= the previous one's end
+                for start, end in row[:k]:
+                    if not prev_end <= start < end <= seq_len:
+                        return False
+                    prev_end = end
+        return True
 
     def _diagnose(self, cfg: RuntimeConfig) -> None:
         _first_bad(self.q_lens < 1, "q_len must be >= 1, got {}", self.q_lens)
@@ -195,6 +222,9 @@ class Step:
         if positions is not None:
             positions[:total] = pos
             positions[total:] = 0
+
+
+_SMALL_STEP = 16      # sequences up to which Step.validate checks in Python rather than numpy
 
 
 def _padded(rows: list, item_shape: tuple, name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -144,3 +144,41 @@ def test_from_arrays_rejects():
         Step.from_arrays(**{**good, "block_table": [[0], [64]]}).validate(CFG)
     with pytest.raises(ValueError, match=r"seq 0: prefix range 0 \[2, 9\) ends past"):
         Step.from_arrays(**good, prefix_ranges=[[(2, 9)], [(0, 0)]]).validate(CFG)
+
+
+def test_small_and_numpy_checks_agree():
+    """validate() checks up to 16 sequences in Python and more with numpy reductions: on
+    random steps, valid and broken in every limit, both give the same verdict."""
+    seed = fresh_seed()
+    rng, _ = rngs(seed)
+    cfg = RuntimeConfig(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=50, max_num_seqs=32,
+                        max_num_tokens=60, max_model_len=120, max_prefix_ranges=3, dtype=torch.float32)
+    verdicts = []
+    for _ in range(1500):
+        n = int(rng.integers(1, 21))
+        q = rng.integers(0 if rng.random() < 0.05 else 1, 4, n)
+        c = rng.integers(-1 if rng.random() < 0.05 else 0, 100, n)
+        need = -(-(q + c) // 16)
+        counts = np.maximum(need + (rng.integers(-1, 2, n) if rng.random() < 0.1 else 0), 0)
+        width = int(max(counts.max(), 1)) + int(rng.integers(0, 2))
+        table = rng.integers(-1 if rng.random() < 0.05 else 0, 50 + (rng.random() < 0.05), (n, width))
+        # cut points inside each sequence (sorted: valid ranges), now and then shuffled,
+        # pushed past the sequence or below 0, or collapsed to empty
+        cuts = np.sort((rng.random((n, 8)) * (q + c)[:, None]).astype(np.int64), axis=1)
+        cuts[:, 1::2] += 1
+        if rng.random() < 0.1:
+            rng.shuffle(cuts, axis=1)
+        if rng.random() < 0.05:
+            cuts[int(rng.integers(n)), int(rng.integers(8))] += int(rng.integers(-3, 4))
+        ranges = cuts.reshape(n, 4, 2)
+        if rng.random() < 0.1:
+            i, j = int(rng.integers(n)), int(rng.integers(4))
+            ranges[i, j, 1] = ranges[i, j, 0]
+        rcounts = rng.integers(0, 5 if rng.random() < 0.05 else 4, n)
+        step = Step.from_arrays(q_lens=q, context_lens=c, block_table=table, block_counts=counts,
+                                prefix_ranges=ranges, range_counts=rcounts)
+        small, big = step._checks_small(cfg), step._checks_numpy(cfg)
+        assert small == big, f"checks disagree (seed={seed}): small {small}, numpy {big}, q={q}, c={c}, " \
+                             f"counts={counts}, ranges={step.ranges.tolist()}, rcounts={rcounts}"
+        verdicts.append(big)
+    assert 0.05 < np.mean(verdicts) < 0.95, f"the random steps should be both valid and not ({np.mean(verdicts):.2f})"
