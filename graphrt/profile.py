@@ -12,7 +12,6 @@ graphrt's NVTX ranges (see docs/profiling.md).
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 

@@ -10,7 +10,6 @@ import os
 import socket
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
