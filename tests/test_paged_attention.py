@@ -169,3 +169,34 @@ def test_same_launch_serves_changing_steps(device):
         assert_close(f"out[{len(seqs)} seqs]", out[:total], reference.paged_attention(q, k_cache, v_cache, meta),
                      *TOL[torch.float32], seed)
         assert torch.isnan(out[total:]).all(), f"padded rows were written (seed={seed})"
+
+
+def test_random_tile_shapes(device):
+    """Random tile tables (query tile, key tile, short path, splits) with random windows,
+    compositions and soft-caps over random batches: the masked / full / short split of the
+    work must give the reference result for any shape, not only the table's."""
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    for _ in range(4):
+        hq, hkv = [(8, 2), (4, 1), (6, 2), (4, 4)][int(rng.integers(4))]
+        qpk_pad = 1 << (hq // hkv - 1).bit_length()
+        block_q = max(16 // qpk_pad, 1) * int(rng.choice([1, 2, 4]))
+        config = KernelConfig(block_q=block_q, block_n=int(rng.choice([16, 32, 64])),
+                              short_block_n=int(rng.choice([16, 32, 64])) if rng.random() < 0.7 else None)
+        opts = dict(window=int(rng.integers(5, 80)) if rng.random() < 0.6 else None,
+                    composition=str(rng.choice(["gemma3", "gemma4"])),
+                    softcap=3.0 if rng.random() < 0.3 else None)
+        splits = int(rng.choice([1, 1, 2, 3]))
+        seqs = random_seqs(rng, int(rng.integers(1, 5)), max_q=50, max_ctx=150, max_ranges=2)
+        total = sum(s.q_len for s in seqs)
+        num_blocks = sum(-(-s.seq_len // 16) for s in seqs) + 4
+        meta, _ = build_meta(seqs, block_size=16, num_blocks=num_blocks, max_ranges=2, rng=rng, device=device,
+                             num_seqs=len(seqs) + 1, num_tokens=total + 3)
+        k_cache = torch.randn(num_blocks, 16, hkv, 64, generator=gen).to(device)
+        v_cache = torch.randn(num_blocks, 16, hkv, 64, generator=gen).to(device)
+        q = torch.randn(total + 3, hq, 64, generator=gen).to(device)
+        out = torch.full_like(q, float("nan"))
+        paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, config=config, **opts)
+        ref = reference.paged_attention(q, k_cache, v_cache, meta, **opts)
+        assert_close(f"out[{config}, splits={splits}, {opts}]", out[:total], ref, *TOL[torch.float32], seed)
+        assert torch.isnan(out[total:]).all(), f"padded rows were written (seed={seed})"
