@@ -23,6 +23,7 @@ def run_profile(*, device: str, layers: int, batch: int, context: int, steps: in
                 nsys: bool) -> int:
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from graphrt.bench.common import blocks_per_seq, decode_arrays
     from graphrt.config import RuntimeConfig
     from graphrt.profiling import busy_over_steps, step_profiles
     from graphrt.runtime import Runtime
@@ -32,16 +33,14 @@ def run_profile(*, device: str, layers: int, batch: int, context: int, steps: in
     on_gpu = device == "cuda"
     heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128) if on_gpu else dict(num_q_heads=4, num_kv_heads=2,
                                                                                     head_dim=64)
-    per = -(-(context + 1) // 16)
+    per = blocks_per_seq(context)
     cfg = RuntimeConfig(**heads, block_size=16, num_blocks=batch * per, max_num_seqs=batch, max_num_tokens=batch,
                         max_model_len=context + 1, max_prefix_ranges=2,
                         dtype=torch.bfloat16 if on_gpu else torch.float32)
     model = ToyModel(cfg, num_layers=layers, hidden=1024 if on_gpu else 64, vocab=1024, device=device)
     rt = Runtime(cfg, model, num_layers=layers, device=device, nvtx=nsys)
     rt.capture(decode_buckets=[batch], mixed_buckets=[])
-    step = Step.from_arrays(q_lens=np.ones(batch, np.int64), context_lens=np.full(batch, context),
-                            block_table=np.arange(batch * per).reshape(batch, per),
-                            prefix_ranges=np.tile([[[1, 1 + min(256, context // 2)]]], (batch, 1, 1)))
+    step = Step.from_arrays(**decode_arrays(batch, context))
     ids = np.arange(batch) % 1000
     for _ in range(warmup):
         rt.step(step, ids)

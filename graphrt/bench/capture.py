@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import torch
 
-from graphrt.bench.common import default_out, write
+from graphrt.bench.common import quick_out_main, write
 
 
 def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
@@ -47,8 +46,4 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    run(quick=args.quick, out=args.out or default_out())
+    quick_out_main(run, __doc__, argv)

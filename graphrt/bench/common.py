@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -10,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from graphrt.profiling import RING_WAIT, SYNC_CALLS
@@ -40,6 +42,30 @@ def write(out: Path, name: str, rows: list[dict], extra_env: dict | None = None)
     path = out / f"{name}.json"
     path.write_text(json.dumps(dict(env={**env(), **(extra_env or {})}, rows=rows), indent=1))
     return path
+
+
+def decode_arrays(batch: int, context: int, block_size: int = 16) -> dict:
+    """``Step.from_arrays`` keywords of the benchmarks' decode step: ``batch`` sequences of
+    ``context`` cached tokens plus one new one, blocks 0, 1, ... in order (``batch *
+    blocks_per_seq(context)`` in all), one image of min(256, context // 2) tokens from
+    position 5."""
+    per = blocks_per_seq(context, block_size)
+    return dict(q_lens=np.ones(batch, np.int64), context_lens=np.full(batch, context),
+                block_table=np.arange(batch * per).reshape(batch, per),
+                prefix_ranges=np.tile([[[5, 5 + min(256, context // 2)]]], (batch, 1, 1)))
+
+
+def blocks_per_seq(context: int, block_size: int = 16) -> int:
+    return -(-(context + 1) // block_size)
+
+
+def quick_out_main(run, doc: str, argv: list[str] | None = None) -> None:
+    """Command line of a benchmark that takes only --quick and --out."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (what the CPU test runs)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    run(quick=args.quick, out=args.out or default_out())
 
 
 def progress(items, desc: str, quiet: bool = False):

@@ -8,7 +8,6 @@ the CPU, which only shows the code runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import default_out, progress, write
+from graphrt.bench.common import blocks_per_seq, decode_arrays, progress, quick_out_main, write
 
 
 def _rank(rank: int, world: int, port: int, out: str, case: dict, backend: str) -> None:
@@ -38,7 +37,7 @@ def _rank(rank: int, world: int, port: int, out: str, case: dict, backend: str) 
     try:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         batch, context, layers = case["batch"], case["context"], case["layers"]
-        per = -(-(context + 1) // 16)
+        per = blocks_per_seq(context)
         cfg = RuntimeConfig(num_q_heads=case["heads"][0], num_kv_heads=case["heads"][1], head_dim=case["head_dim"],
                             block_size=16, num_blocks=batch * per, max_num_seqs=batch, max_num_tokens=batch,
                             max_model_len=context + 1, max_prefix_ranges=2,
@@ -48,9 +47,7 @@ def _rank(rank: int, world: int, port: int, out: str, case: dict, backend: str) 
                  else ToyModel(cfg, device=device, **toy))
         rt = Runtime(shard_config(cfg, world), model, num_layers=layers, device=device)
         rt.capture(decode_buckets=[batch], mixed_buckets=[], quiet=True)
-        step = Step.from_arrays(q_lens=np.ones(batch, np.int64), context_lens=np.full(batch, context),
-                                block_table=np.arange(batch * per).reshape(batch, per),
-                                prefix_ranges=np.tile([[[1, 1 + min(256, context // 2)]]], (batch, 1, 1)))
+        step = Step.from_arrays(**decode_arrays(batch, context))
         ids = np.arange(batch) % 1000
         for _ in range(case["warmup"]):
             rt.step(step, ids)
@@ -113,8 +110,4 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    run(quick=args.quick, out=args.out or default_out())
+    quick_out_main(run, __doc__, argv)

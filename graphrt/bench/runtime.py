@@ -8,7 +8,6 @@ step's one host-to-device copy. The Step is built inside the timed call (from_ar
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import default_out, progress, write
+from graphrt.bench.common import decode_arrays, progress, quick_out_main, write
 
 
 def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
@@ -41,14 +40,11 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
             rt = Runtime(cfg, model, num_layers=layers, device=device, nvtx=nvtx_on, kv_caches=caches)
             rt.capture(decode_buckets=batches, mixed_buckets=[cfg.max_num_tokens], quiet=True)
             for batch in progress(batches, f"runtime L={layers} nvtx={nvtx_on}", quiet):
-                per = -(-(context + 1) // cfg.block_size)
-                table = np.arange(batch * per).reshape(batch, per)
-                q, c = np.ones(batch, np.int64), np.full(batch, context)
-                ranges = np.tile([[[5, 5 + min(256, context // 2)]]], (batch, 1, 1))
+                arrays = decode_arrays(batch, context, cfg.block_size)
                 ids = np.arange(batch) % 1000
 
                 def one_step():
-                    step = Step.from_arrays(q_lens=q, context_lens=c, block_table=table, prefix_ranges=ranges)
+                    step = Step.from_arrays(**arrays)
                     return rt.step(step, ids)
 
                 for _ in range(3):
@@ -78,8 +74,4 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    run(quick=args.quick, out=args.out or default_out())
+    quick_out_main(run, __doc__, argv)

@@ -13,7 +13,6 @@ sequence, room for 8), same model (``graphrt.toy.ToyModel``), same KV caches.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from pathlib import Path
@@ -21,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import default_out, plot, profile_steps, progress, write
+from graphrt.bench.common import (blocks_per_seq, decode_arrays, plot, profile_steps, progress,
+                                  quick_out_main, write)
 
 IMPLS = ("per_layer_rebuild", "per_step_rebuild", "graphrt_eager", "graphrt_graph")
 
@@ -57,18 +57,8 @@ class _RebuildContext:
         return paged_attention(q, kc, vc, out, meta, **opts)
 
 
-def _decode_step(cfg, batch: int, context: int):
-    from graphrt.step import Step
-
-    per = -(-(context + 1) // cfg.block_size)
-    table = np.arange(batch * per).reshape(batch, per)
-    return Step.from_arrays(q_lens=np.ones(batch, np.int64), context_lens=np.full(batch, context),
-                            block_table=table,
-                            prefix_ranges=np.tile([[[5, 5 + min(256, context // 2)]]], (batch, 1, 1)))
-
-
 def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
-    from graphrt import Runtime, RuntimeConfig
+    from graphrt import Runtime, RuntimeConfig, Step
     from graphrt.toy import ToyModel
 
     cuda = torch.cuda.is_available()
@@ -85,7 +75,7 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
     for layers in layers_list:
         model = None
         for batch in progress(batches, f"step L={layers}", quiet):
-            per = -(-(context + 1) // 16)
+            per = blocks_per_seq(context)
             cfg = RuntimeConfig(**shape, block_size=16, num_blocks=batch * per, max_num_seqs=batch,
                                 max_num_tokens=batch, max_model_len=context + 1, max_prefix_ranges=8, dtype=dtype)
             if model is None:     # weights depend on the attention shape only, shared by every batch
@@ -93,7 +83,7 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
             cache = torch.randn(cfg.num_blocks, 16, cfg.num_kv_heads, cfg.head_dim, device=device).to(cfg.dtype)
             # one cache pair for every layer: the bytes read per layer are the same, memory is not
             caches = ([cache] * layers, [cache.clone()] * layers)
-            step = _decode_step(cfg, batch, context)
+            step = Step.from_arrays(**decode_arrays(batch, context, cfg.block_size))
             ids = np.arange(batch) % 1000
             rt = Runtime(cfg, model, num_layers=layers, device=device, kv_caches=caches)
             graph_rt = None
@@ -161,8 +151,4 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (what the CPU test runs)")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    run(quick=args.quick, out=args.out or default_out())
+    quick_out_main(run, __doc__, argv)
