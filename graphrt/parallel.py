@@ -10,13 +10,43 @@ all-reduce per layer, which NCCL can run inside a captured CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import socket
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from graphrt.config import RuntimeConfig
 from graphrt.toy import ToyModel
+
+
+# Multicast over NVLink stays off: it is not available on every machine these run on.
+_NCCL_ENV = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+
+
+def free_port() -> int:
+    """A free TCP port on localhost for the rendezvous of a single-host group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world_size: int, port: int, backend: str = "nccl") -> Iterator[torch.device]:
+    """Join a single-host group (rendezvous on 127.0.0.1:``port``) as ``rank``; yields this
+    rank's device (``cuda:rank`` with NCCL, the CPU with gloo) and leaves the group on exit."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_NCCL_ENV)
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        yield torch.device("cuda", rank) if cuda else torch.device("cpu")
+    finally:
+        dist.destroy_process_group()
 
 
 def shard_config(cfg: RuntimeConfig, world_size: int) -> RuntimeConfig:

@@ -6,19 +6,16 @@ NCCL, each rank captures its step (all-reduce included) and replays it.
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from _cases import TOL, fresh_seed, rngs
 from _model import random_step
 from graphrt import Runtime, RuntimeConfig
-from graphrt.parallel import ParallelToyModel, shard_config
+from graphrt.parallel import ParallelToyModel, free_port, process_group, shard_config
 from graphrt.toy import ToyModel
 
 LAYERS = 2
@@ -42,14 +39,7 @@ def _steps(cfg: RuntimeConfig, seed: int, count: int) -> list:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, seed: int, backend: str, count: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
-                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    cuda = backend == "nccl"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    with process_group(rank, world, port, backend) as device:
         cfg = _cfg(torch.float32)
         model = ParallelToyModel(cfg, rank=rank, world_size=world, num_layers=LAYERS, seed=seed, device=device,
                                  **TOY)
@@ -61,20 +51,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, seed: int, backend: 
             outs.append(logits[: step.num_seqs].cpu().clone())
             modes.append(rt.last.mode)
         torch.save(dict(logits=outs, modes=modes), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check(tmp_path: Path, backend: str, device: torch.device, count: int) -> list[list[str]]:
     seed = fresh_seed()
     world = 2
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path), seed, backend, count), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), str(tmp_path), seed, backend, count), nprocs=world, join=True)
     cfg = _cfg(torch.float32)
     single = Runtime(cfg, ToyModel(cfg, num_layers=LAYERS, seed=seed, device=device, **TOY), num_layers=LAYERS,
                      device=device)

@@ -9,8 +9,6 @@ the CPU, which only shows the code runs.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -22,20 +20,12 @@ from graphrt.bench.common import blocks_per_seq, decode_arrays, progress, quick_
 
 
 def _rank(rank: int, world: int, port: int, out: str, case: dict, backend: str) -> None:
-    import torch.distributed as dist
-
     from graphrt import Runtime, RuntimeConfig, Step
-    from graphrt.parallel import ParallelToyModel, shard_config
+    from graphrt.parallel import ParallelToyModel, process_group, shard_config
     from graphrt.toy import ToyModel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
-                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     cuda = backend == "nccl"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    with process_group(rank, world, port, backend) as device:
         batch, context, layers = case["batch"], case["context"], case["layers"]
         per = blocks_per_seq(context)
         cfg = RuntimeConfig(num_q_heads=case["heads"][0], num_kv_heads=case["heads"][1], head_dim=case["head_dim"],
@@ -53,7 +43,7 @@ def _rank(rank: int, world: int, port: int, out: str, case: dict, backend: str) 
             rt.step(step, ids)
         if cuda:
             torch.cuda.synchronize()
-        dist.barrier()
+        torch.distributed.barrier()
         host, t0 = [], time.perf_counter()
         for _ in range(case["steps"]):
             t1 = time.perf_counter()
@@ -65,18 +55,12 @@ def _rank(rank: int, world: int, port: int, out: str, case: dict, backend: str) 
         if rank == 0:
             Path(out).write_text(json.dumps(dict(wall_us=1e6 * wall, host_us=1e6 * float(np.median(host)),
                                                  mode=rt.last.mode, checksum=float(logits.float().sum()))))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
     import torch.multiprocessing as mp
+
+    from graphrt.parallel import free_port
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     multi = gpus >= 2 and not quick
@@ -93,7 +77,7 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
             for world in (1, 2):
                 case = dict(base, batch=batch)
                 result = Path(tmp) / f"b{batch}_w{world}.json"
-                mp.spawn(_rank, args=(world, _free_port(), str(result), case, backend), nprocs=world, join=True)
+                mp.spawn(_rank, args=(world, free_port(), str(result), case, backend), nprocs=world, join=True)
                 r = json.loads(result.read_text())
                 rows.append(dict(bench="parallel", impl="graphrt_graph" if r["mode"] == "replay" else "graphrt_eager",
                                  backend=backend, gpus=world if multi else 0, ranks=world, layers=base["layers"],
