@@ -75,24 +75,22 @@ class GraphSet:
         self.pool = None
         self._guard = guard
         self._fast_guard = fast_guard
-        self._addresses: tuple[int, ...] | None = None
-        self._address_list: list[int] | None = None
+        self._addresses: list[int] | None = None     # of the guarded tensors, at capture
 
     def _guard_holds(self) -> bool:
         if self._fast_guard is not None:
-            return list(map(torch.Tensor.data_ptr, self._fast_guard())) == self._address_list
-        return [t.data_ptr() for _, t in self._guard()] == self._address_list
+            return list(map(torch.Tensor.data_ptr, self._fast_guard())) == self._addresses
+        return [t.data_ptr() for _, t in self._guard()] == self._addresses
 
     def check_guard(self) -> None:
         """Raise RuntimeError naming the guarded tensors that moved since capture."""
         if self._addresses is None or self._guard_holds():
             return
         now = self._guard()
-        if len(now) != len(self._addresses) or any(t.data_ptr() != a for (_, t), a in zip(now, self._addresses)):
-            moved = [name for (name, t), a in zip(now, self._addresses) if t.data_ptr() != a]
-            what = ", ".join(moved[:4]) or f"the set of guarded tensors ({len(self._addresses)} -> {len(now)})"
-            raise RuntimeError(f"graphrt: {what} moved or was replaced since capture; the captured graphs would "
-                               f"read stale memory. Put new values in place with .copy_(), or capture again.")
+        moved = [name for (name, t), a in zip(now, self._addresses) if t.data_ptr() != a]
+        what = ", ".join(moved[:4]) or f"the set of guarded tensors ({len(self._addresses)} -> {len(now)})"
+        raise RuntimeError(f"graphrt: {what} moved or was replaced since capture; the captured graphs would "
+                           f"read stale memory. Put new values in place with .copy_(), or capture again.")
 
     def capture(self, buckets: Sequence[Bucket], prepare: Callable[[Bucket], Callable[[], Any]], *,
                 warmup: int = 1, trace=None, progress: Callable[[CapturedGraph], None] | None = None) -> None:
@@ -145,8 +143,7 @@ class GraphSet:
         finally:
             gc.unfreeze()
             self.index = BucketIndex(list(self.graphs))
-            self._addresses = tuple(t.data_ptr() for _, t in self._guard())
-            self._address_list = list(self._addresses)
+            self._addresses = [t.data_ptr() for _, t in self._guard()]
         if failures:
             raise CaptureError(failures, captured=len(buckets) - len(failures), total=len(buckets))
 

@@ -297,8 +297,7 @@ def test_guard_lists_agree_and_name_what_moved():
     assert [n for n, _ in named] == (["arena", "k_caches[0]", "k_caches[1]", "v_caches[0]", "v_caches[1]"]
                                      + [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()])
     graphs = GraphSet(rt._guarded, rt._guarded_fast)
-    graphs._addresses = tuple(t.data_ptr() for _, t in named)
-    graphs._address_list = list(graphs._addresses)
+    graphs._addresses = [t.data_ptr() for _, t in named]
     graphs.check_guard()
     original = rt.v_caches[1]
     rt.v_caches[1] = original.clone()
