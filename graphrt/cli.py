@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--chunk", type=int, default=32, help="prefill tokens per step (chunked prefill)")
     demo.add_argument("--seed", type=int, default=0)
     bench = sub.add_parser("bench", help="benchmarks: JSON and PNG under benchmarks/results/<gpu or cpu>/")
-    bench.add_argument("which", nargs="*", default=[], help="step, kernels, runtime, capture (default: all)")
+    bench.add_argument("which", nargs="*", default=[], help="step, kernels, runtime, capture, soak, parallel (default: all)")
     bench.add_argument("--quick", action="store_true", help="tiny sizes; on CPU always")
     bench.add_argument("--no-flex", action="store_true", help="skip compiled flex_attention in kernels")
     bench.add_argument("--out", type=Path, default=None)
