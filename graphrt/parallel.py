@@ -35,16 +35,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def process_group(rank: int, world_size: int, port: int, backend: str = "nccl") -> Iterator[torch.device]:
+def process_group(rank: int, world_size: int, port: int, backend: str = "nccl",
+                  gloo_device: str = "cpu") -> Iterator[torch.device]:
     """Join a single-host group (rendezvous on 127.0.0.1:``port``) as ``rank``; yields this
-    rank's device (``cuda:rank`` with NCCL, the CPU with gloo) and leaves the group on exit."""
+    rank's device (``cuda:rank`` with NCCL; ``gloo_device`` with gloo, e.g. "cuda:0" for
+    ranks that share one GPU) and leaves the group on exit."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_NCCL_ENV)
-    cuda = backend == "nccl"
-    if cuda:
-        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device(gloo_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
-        yield torch.device("cuda", rank) if cuda else torch.device("cpu")
+        yield device
     finally:
         dist.destroy_process_group()
 

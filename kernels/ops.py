@@ -34,22 +34,25 @@ def _(k, v, k_cache, v_cache, slot_mapping) -> None:
 @torch.library.custom_op("graphrt::paged_attention", mutates_args=("out", "part_o", "part_lse"))
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                    prefix_ranges: torch.Tensor, slot_mapping: torch.Tensor, scale: Optional[float] = None,
-                    window: Optional[int] = None, composition: str = "gemma3", softcap: Optional[float] = None,
-                    num_splits: int = 1, part_o: Optional[torch.Tensor] = None,
-                    part_lse: Optional[torch.Tensor] = None, max_query_len: Optional[int] = None) -> None:
+                    prefix_ranges: torch.Tensor, slot_mapping: torch.Tensor, part_o: torch.Tensor,
+                    part_lse: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None,
+                    composition: str = "gemma3", softcap: Optional[float] = None, num_splits: int = 1,
+                    max_query_len: Optional[int] = None) -> None:
     """``graphrt.kernels.paged_attention`` with the metadata's tensors spelled out and the
-    split workspace as two optional tensors; writes ``out`` ([T, Hq, D]) in place."""
+    split workspace as two tensors (empty ones: no workspace); writes ``out`` ([T, Hq, D])
+    in place. The workspace is two required positional tensors, not Optional ones with
+    defaults: torch 2.11 raises IndexError for a mutated argument passed by keyword or left
+    to its default (pytorch/pytorch#176078)."""
     meta = AttentionMetadata(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                              prefix_ranges=prefix_ranges, slot_mapping=slot_mapping)
-    workspace = None if part_o is None or part_lse is None else (part_o, part_lse)
+    workspace = None if part_o.numel() == 0 or part_lse.numel() == 0 else (part_o, part_lse)
     _paged_attention(q, k_cache, v_cache, out, meta, scale=scale, window=window, composition=composition,
                      softcap=softcap, num_splits=num_splits, workspace=workspace, max_query_len=max_query_len)
 
 
 @paged_attention.register_fake
-def _(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, prefix_ranges, slot_mapping, scale=None,
-      window=None, composition="gemma3", softcap=None, num_splits=1, part_o=None, part_lse=None,
+def _(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, prefix_ranges, slot_mapping, part_o,
+      part_lse, scale=None, window=None, composition="gemma3", softcap=None, num_splits=1,
       max_query_len=None) -> None:
     return None
 
@@ -58,8 +61,8 @@ def attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  meta: AttentionMetadata, *, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
                  **opts) -> torch.Tensor:
     """``paged_attention`` through the custom op, taking an AttentionMetadata; returns out."""
-    part_o, part_lse = workspace if workspace is not None else (None, None)
+    if workspace is None:               # two distinct empty tensors: mutated arguments must not alias
+        workspace = (q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32))
     torch.ops.graphrt.paged_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
-                                      meta.block_table, meta.prefix_ranges, meta.slot_mapping,
-                                      part_o=part_o, part_lse=part_lse, **opts)
+                                      meta.block_table, meta.prefix_ranges, meta.slot_mapping, *workspace, **opts)
     return out

@@ -41,38 +41,43 @@ def attention_mask(seq_len: int, q_len: int, prefix_ranges, *, window: int | Non
 def gather_kv(cache: torch.Tensor, block_ids, seq_len: int) -> torch.Tensor:
     """[seq_len, Hkv, D] rows of one sequence from a [num_blocks, block_size, Hkv, D] cache."""
     block_size = cache.shape[1]
-    pos = torch.arange(seq_len)
-    blocks = torch.as_tensor(block_ids, dtype=torch.long)[pos // block_size]
+    pos = torch.arange(seq_len, device=cache.device)
+    blocks = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)[pos // block_size]
     return cache[blocks, pos % block_size]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     *, scale: float | None = None, window: int | None = None, composition: str = "gemma3",
                     softcap: float | None = None) -> torch.Tensor:
-    """Float64 [num_tokens, Hq, D] output of the step's tokens (rows past the step's token
+    """Float64 [num_tokens, Hq, D] CPU output of the step's tokens (rows past the step's token
     count are not returned). Same arguments and semantics as ``graphrt.kernels.paged_attention``."""
+    dev = k_cache.device             # computed where the cache lives: a cache can be GBs
     qsl = meta.query_start_loc.cpu().long()
     seq_lens = meta.seq_lens.cpu().long()
-    block_table = meta.block_table.cpu().long()
+    block_table = meta.block_table.to(dev).long()
     ranges = meta.prefix_ranges.cpu().long()
-    q64, k64, v64 = q.detach().cpu().double(), k_cache.detach().cpu().double(), v_cache.detach().cpu().double()
+    q64 = q.detach().to(dev, torch.float64)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    qpk = num_q_heads // k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    qpk = num_q_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.zeros(int(qsl[-1]), num_q_heads, head_dim, dtype=torch.float64)
+    out = torch.zeros(int(qsl[-1]), num_q_heads, head_dim, dtype=torch.float64, device=dev)
     for i in range(seq_lens.shape[0]):
         q0, q1, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
         if q1 == q0:
             continue
-        mask = attention_mask(seq_len, q1 - q0, ranges[i].tolist(), window=window, composition=composition)
-        k = gather_kv(k64, block_table[i], seq_len).repeat_interleave(qpk, dim=1)   # [L, Hq, D]
-        v = gather_kv(v64, block_table[i], seq_len).repeat_interleave(qpk, dim=1)
-        s = torch.einsum("qhd,khd->hqk", q64[q0:q1], k) * scale                     # [Hq, q_len, L]
+        mask = attention_mask(seq_len, q1 - q0, ranges[i].tolist(), window=window, composition=composition).to(dev)
+        k = gather_kv(k_cache.detach(), block_table[i], seq_len).double()     # [L, Hkv, D]
+        v = gather_kv(v_cache.detach(), block_table[i], seq_len).double()
+        # Query head h reads KV head h // qpk: view the query heads as [Hkv, qpk].
+        qg = q64[q0:q1].reshape(q1 - q0, num_kv_heads, qpk, head_dim)
+        s = torch.einsum("qgpd,kgd->gpqk", qg, k).reshape(num_q_heads, q1 - q0, seq_len) * scale
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~mask, float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
-    return out
+        p = torch.softmax(s, dim=-1).reshape(num_kv_heads, qpk, q1 - q0, seq_len)
+        out[q0:q1] = torch.einsum("gpqk,kgd->qgpd", p, v).reshape(q1 - q0, num_q_heads, head_dim)
+    return out.cpu()
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -2,14 +2,14 @@
 sharded over 2 (``graphrt.parallel``: one all-reduce per layer, captured in each rank's
 graphs with NCCL). Each rank stages the same Step itself.
 
-On a machine with fewer than 2 GPUs (or with --quick) it runs tiny shapes over gloo on
-the CPU, which only shows the code runs.
+On a machine with fewer than 2 GPUs (or with --quick) it runs tiny shapes over gloo,
+eagerly (gloo collectives cannot be captured), with both ranks on the one GPU or on the
+CPU: that only shows the code runs.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -20,13 +20,13 @@ import torch
 from graphrt.bench.common import blocks_per_seq, decode_arrays, progress, quick_out_main, write
 
 
-def _rank(rank: int, world: int, port: int, out: str, case: dict, backend: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, case: dict, backend: str, gloo_device: str) -> None:
     from graphrt import Runtime, RuntimeConfig, Step
     from graphrt.parallel import ParallelToyModel, process_group, shard_config
     from graphrt.toy import ToyModel
 
-    cuda = backend == "nccl"
-    with process_group(rank, world, port, backend) as device:
+    with process_group(rank, world, port, backend, gloo_device) as device:
+        cuda = device.type == "cuda"
         batch, context, layers = case["batch"], case["context"], case["layers"]
         per = blocks_per_seq(context)
         cfg = RuntimeConfig(num_q_heads=case["heads"][0], num_kv_heads=case["heads"][1], head_dim=case["head_dim"],
@@ -37,7 +37,8 @@ def _rank(rank: int, world: int, port: int, out: str, case: dict, backend: str) 
         model = (ParallelToyModel(cfg, rank=rank, world_size=world, device=device, **toy) if world > 1
                  else ToyModel(cfg, device=device, **toy))
         rt = Runtime(shard_config(cfg, world), model, num_layers=layers, device=device)
-        rt.capture(decode_buckets=[batch], mixed_buckets=[], quiet=True)
+        if backend == "nccl":
+            rt.capture(decode_buckets=[batch], mixed_buckets=[], quiet=True)
         step = Step.from_arrays(**decode_arrays(batch, context))
         ids = np.arange(batch) % 1000
         for _ in range(case["warmup"]):
@@ -72,27 +73,19 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
     else:
         base = dict(heads=(4, 2), head_dim=64, hidden=64, layers=2, context=40, warmup=1, steps=2)
         batches = [1, 2]
-    # Over gloo the ranks hold CPU tensors, so their kernels run under Triton's interpreter
-    # even on a CUDA machine. Spawned ranks read the variable before they import triton; the
-    # parent's own value is put back afterwards.
-    saved = os.environ.get("TRITON_INTERPRET")
-    if backend == "gloo":
-        os.environ["TRITON_INTERPRET"] = "1"
+    gloo_device = "cuda:0" if gpus else "cpu"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for batch in progress(batches, "parallel", quiet):
             for world in (1, 2):
                 case = dict(base, batch=batch)
                 result = Path(tmp) / f"b{batch}_w{world}.json"
-                mp.spawn(_rank, args=(world, free_port(), str(result), case, backend), nprocs=world, join=True)
+                mp.spawn(_rank, args=(world, free_port(), str(result), case, backend, gloo_device), nprocs=world,
+                         join=True)
                 r = json.loads(result.read_text())
                 rows.append(dict(bench="parallel", impl="graphrt_graph" if r["mode"] == "replay" else "graphrt_eager",
-                                 backend=backend, gpus=world if multi else 0, ranks=world, layers=base["layers"],
-                                 batch=batch, context=base["context"], hidden=base["hidden"], **r))
-    if saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = saved
+                                 backend=backend, gpus=world if multi else int(gloo_device != "cpu"), ranks=world,
+                                 layers=base["layers"], batch=batch, context=base["context"], hidden=base["hidden"], **r))
     for r in rows:
         one = next(x for x in rows if x["batch"] == r["batch"] and x["ranks"] == 1)
         r["speedup_vs_1"] = one["wall_us"] / r["wall_us"]

@@ -77,7 +77,7 @@ def run(*, quick: bool, out: Path, quiet: bool = False, steps: int | None = None
     free = rng.permutation(cfg.num_blocks)
     tol = 5e-2 if cfg.dtype == torch.bfloat16 else 2e-3
     host_us, buckets, checked, mismatches, worst = [], {}, 0, 0, 0.0
-    mem_warm = None
+    mem_warm, check_s, start = None, 0.0, time.perf_counter()
     for i in progress(range(steps), "soak", quiet):
         step = random_step(rng, cfg, free, decode=bool(rng.random() < 0.6))
         ids = rng.integers(0, 256, step.num_tokens)
@@ -88,17 +88,20 @@ def run(*, quick: bool, out: Path, quiet: bool = False, steps: int | None = None
         label = str(rt.last.bucket) if rt.last.bucket else "eager"
         buckets[label] = buckets.get(label, 0) + 1
         if i % every == every - 1:         # the loop reads back here, as a real loop samples a token
+            t1 = time.perf_counter()
             got = logits[: step.num_seqs].double().cpu()
             want = ref.step(step, ids)[1][: step.num_seqs].double().cpu()
             err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
             worst = max(worst, err)
             checked += 1
             mismatches += err > tol
+            check_s += time.perf_counter() - t1
         if i == warm - 1 and cuda:
             torch.cuda.synchronize()
             mem_warm = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
     if cuda:
         torch.cuda.synchronize()
+    wall_s = time.perf_counter() - start
     mem_end = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) if cuda else (0, 0)
     window = max(steps // 10, 1)
     windows = [float(np.median(host_us[k: k + window])) for k in range(0, steps - window + 1, window)]
@@ -109,9 +112,10 @@ def run(*, quick: bool, out: Path, quiet: bool = False, steps: int | None = None
                host_us_spread=max(windows) / min(windows),
                allocated_after_warmup=mem_warm[0] if mem_warm else None, allocated_end=mem_end[0],
                reserved_after_warmup=mem_warm[1] if mem_warm else None, reserved_end=mem_end[1],
-               ring_wait_s=rt.buffers.wait_seconds)
+               ring_wait_s=rt.buffers.wait_seconds, wall_s=wall_s, check_s=check_s)
     print(f"soak: {steps} steps ({row['replays']} replays over {len(buckets)} buckets, {row['eager']} eager), "
-          f"{checked} checked, {mismatches} mismatches (worst {worst:.2e}, tolerance {tol:g})")
+          f"{checked} checked, {mismatches} mismatches (worst {worst:.2e}, tolerance {tol:g}); "
+          f"{wall_s:.1f} s, {check_s:.1f} s of it checking")
     print(f"  host us per step by window of {window}: {', '.join(f'{w:.0f}' for w in windows)} "
           f"(max/min {row['host_us_spread']:.2f})")
     if cuda:
