@@ -23,7 +23,7 @@ class CapturedGraph:
     graph: torch.cuda.CUDAGraph
     outputs: Any                # what the step function returned while capturing: static tensors
     seconds: float              # warm-up + capture time
-    pool_bytes: int             # growth of the allocator's reserved memory during this capture
+    pool_bytes: int             # growth of reserved memory while capturing (new graph-pool segments)
 
 
 class CaptureError(RuntimeError):
@@ -110,7 +110,6 @@ class GraphSet:
         try:
             for bucket in sorted(buckets, reverse=True):
                 t0 = time.perf_counter()
-                reserved = torch.cuda.memory_reserved()
                 graph = None
                 try:
                     run = prepare(bucket)
@@ -119,6 +118,11 @@ class GraphSet:
                         for _ in range(warmup):      # compiles kernels and warms the allocator outside the graph
                             run()
                     torch.cuda.current_stream().wait_stream(stream)
+                    # torch.cuda.graph empties the allocator's cache on entry; doing it here
+                    # first makes the growth below the graph pool's alone (not warm-up's).
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                    reserved = torch.cuda.memory_reserved()
                     graph = torch.cuda.CUDAGraph()
                     span = trace.range("capture", bucket=bucket) if trace else contextlib.nullcontext()
                     with span, torch.cuda.graph(graph, pool=self.pool, stream=stream):

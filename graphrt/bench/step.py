@@ -100,18 +100,25 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
             for impl, fn in ways.items():
                 runtime = graph_rt if impl == "graphrt_graph" else rt if impl == "graphrt_eager" else None
                 fn()
+                n = steps
                 if cuda:
                     torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        fn()
+                    torch.cuda.synchronize()
+                    # about half a second of steps, at least `steps`: short steps get enough samples
+                    n = int(min(300, max(steps, 0.5 * 3 / (time.perf_counter() - t0))))
                 host, t_start = [], time.perf_counter()
-                for _ in range(steps):
+                for _ in range(n):
                     waited = runtime.buffers.wait_seconds if runtime else 0.0
                     t0 = time.perf_counter()
                     fn()
                     host.append(time.perf_counter() - t0 - ((runtime.buffers.wait_seconds - waited) if runtime else 0))
                 if cuda:
                     torch.cuda.synchronize()
-                wall = (time.perf_counter() - t_start) / steps
-                row = dict(bench="step", impl=impl, layers=layers, batch=batch, context=context,
+                wall = (time.perf_counter() - t_start) / n
+                row = dict(bench="step", impl=impl, layers=layers, batch=batch, context=context, steps=n,
                            host_us=1e6 * float(np.median(host)), wall_us=1e6 * wall)
                 if cuda:
                     row.update(profile_steps(fn, 20))
