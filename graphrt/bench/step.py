@@ -122,6 +122,9 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
                            host_us=1e6 * float(np.median(host)), wall_us=1e6 * wall)
                 if cuda:
                     row.update(profile_steps(fn, 20))
+                    # Kernel time per step over the unprofiled wall time per step: the torch
+                    # profiler slows the host (CUPTI), which makes small profiled steps host-bound.
+                    row["gpu_over_wall"] = row["gpu_us"] / row["wall_us"]
                 rows.append(row)
             del caches, cache, rt, graph_rt
     if cuda and not quick:
