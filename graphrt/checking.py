@@ -25,11 +25,12 @@ class _ReferenceContext:
         self.num_tokens, self.num_seqs = step.num_tokens, step.num_seqs
         self._runner = runner
 
-    def attention(self, layer, q, k, v, *, scale=None, window=None, composition="gemma3", softcap=None):
+    def attention(self, layer, q, k, v, *, scale=None, window=None, window_rule="clip", ranges=True, softcap=None):
         r = self._runner
         reference.write_kv(k, v, r.k_caches[layer], r.v_caches[layer], self.meta.slot_mapping)
         out = reference.paged_attention(q, r.k_caches[layer], r.v_caches[layer], self.meta, scale=scale,
-                                        window=window, composition=composition, softcap=softcap)
+                                        window=window, window_rule=window_rule, ranges=ranges,
+                                        softcap=softcap)
         return out.to(device=q.device, dtype=q.dtype)
 
 

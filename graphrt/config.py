@@ -13,7 +13,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class RuntimeConfig:
     """Fixed for the life of a runtime: every static buffer and graph is sized from it.
 
-    Per-layer attention options (window, composition, soft-cap, scale) are arguments of
+    Per-layer attention options (window, window rule, ranges on/off, soft-cap, scale) are arguments of
     the attention call instead, since real models mix sliding and global layers.
     """
 

@@ -52,13 +52,14 @@ class StepContext:
         return (self.meta.query_start_loc[1:] - 1).clamp_min(0).long()
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                  window: int | None = None, composition: str = "gemma3", softcap: float | None = None) -> torch.Tensor:
+                  window: int | None = None, window_rule: str = "clip", ranges: bool = True,
+                  softcap: float | None = None) -> torch.Tensor:
         """Write k, v ([T, Hkv, D]) into layer's cache, then attend q ([T, Hq, D]) over it.
         Returns [T, Hq, D]; rows past the step's tokens are unspecified."""
         rt = self._rt
         k_cache, v_cache = rt.k_caches[layer], rt.v_caches[layer]
         out = torch.empty_like(q)
-        opts = dict(scale=scale, window=window, composition=composition, softcap=softcap,
+        opts = dict(scale=scale, window=window, window_rule=window_rule, ranges=ranges, softcap=softcap,
                     num_splits=self._num_splits, max_query_len=self._max_query_len)
         if torch.compiler.is_compiling():       # torch.compile traces the custom ops (graphrt.kernels.ops)
             torch.ops.graphrt.write_kv(k, v, k_cache, v_cache, self.meta.slot_mapping)

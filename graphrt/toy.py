@@ -15,7 +15,7 @@ from graphrt.config import RuntimeConfig
 
 class ToyModel(nn.Module):
     def __init__(self, cfg: RuntimeConfig, *, num_layers: int, hidden: int = 256, vocab: int = 512,
-                 window: int | None = 32, composition: str = "gemma3", softcap: float | None = None, seed: int = 0,
+                 window: int | None = 32, window_rule: str = "clip", softcap: float | None = None, seed: int = 0,
                  device: torch.device | str = "cpu"):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
@@ -31,7 +31,7 @@ class ToyModel(nn.Module):
         self.w_qkv = w(num_layers, hidden, (hq + 2 * hkv) * d)
         self.w_o = w(num_layers, hq * d, hidden)
         self.windows = [window if i % 2 == 0 else None for i in range(num_layers)]
-        self.composition, self.softcap = composition, softcap
+        self.window_rule, self.softcap = window_rule, softcap
 
     def forward(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """ctx: a graphrt StepContext (or anything with input_ids, positions,
@@ -44,7 +44,7 @@ class ToyModel(nn.Module):
             q = qkv[:, : hq * d].view(-1, hq, d)
             k = qkv[:, hq * d: (hq + hkv) * d].view(-1, hkv, d)
             v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
-            out = ctx.attention(i, q, k, v, window=self.windows[i], composition=self.composition,
+            out = ctx.attention(i, q, k, v, window=self.windows[i], window_rule=self.window_rule,
                                 softcap=self.softcap)
             x = x + self.reduce(out.flatten(1) @ self.w_o[i])
         return x, x[ctx.last_token_index] @ self.embed.T

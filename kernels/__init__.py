@@ -16,7 +16,7 @@ from .metadata import AttentionMetadata
 
 _LAZY = {
     "paged_attention": "paged_attention", "split_workspace": "paged_attention", "KernelConfig": "paged_attention",
-    "default_config": "paged_attention", "COMPOSITIONS": "paged_attention", "decode_splits": "paged_attention",
+    "default_config": "paged_attention", "WINDOW_RULES": "paged_attention", "decode_splits": "paged_attention",
     "write_kv": "kv_write", "reference": None, "ops": None,
 }
 

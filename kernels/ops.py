@@ -36,7 +36,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                     prefix_ranges: torch.Tensor, slot_mapping: torch.Tensor, part_o: torch.Tensor,
                     part_lse: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None,
-                    composition: str = "gemma3", softcap: Optional[float] = None, num_splits: int = 1,
+                    window_rule: str = "clip", ranges: bool = True, softcap: Optional[float] = None,
+                    num_splits: int = 1,
                     max_query_len: Optional[int] = None) -> None:
     """``graphrt.kernels.paged_attention`` with the metadata's tensors spelled out and the
     split workspace as two tensors (empty ones: no workspace); writes ``out`` ([T, Hq, D])
@@ -46,13 +47,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     meta = AttentionMetadata(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                              prefix_ranges=prefix_ranges, slot_mapping=slot_mapping)
     workspace = None if part_o.numel() == 0 or part_lse.numel() == 0 else (part_o, part_lse)
-    _paged_attention(q, k_cache, v_cache, out, meta, scale=scale, window=window, composition=composition,
-                     softcap=softcap, num_splits=num_splits, workspace=workspace, max_query_len=max_query_len)
+    _paged_attention(q, k_cache, v_cache, out, meta, scale=scale, window=window, window_rule=window_rule,
+                     ranges=ranges, softcap=softcap, num_splits=num_splits, workspace=workspace, max_query_len=max_query_len)
 
 
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, prefix_ranges, slot_mapping, part_o,
-      part_lse, scale=None, window=None, composition="gemma3", softcap=None, num_splits=1,
+      part_lse, scale=None, window=None, window_rule="clip", ranges=True, softcap=None, num_splits=1,
       max_query_len=None) -> None:
     return None
 

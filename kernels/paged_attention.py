@@ -1,9 +1,14 @@
 """Paged attention for a mixed batch (prefill chunks + decodes) in one launch.
 
 Masks (DESIGN.md): causal, plus bidirectional attention among the tokens of one prefix
-range; optional sliding window composed Gemma3-style ``(causal & window) | same_range`` or
-Gemma4-style ``(causal | same_range) & window``; optional logit soft-cap; GQA/MQA.
-A key at position k is inside the window of a query at position q when ``q - k < window``.
+range (``ranges=False`` turns that off per call); optional logit soft-cap; GQA/MQA; an
+optional sliding window, which combines with the ranges by one of three rules:
+
+    clip              (causal | same_range) & (q - k < window)     the window clips ranges
+    two_sided         (causal | same_range) & (|q - k| < window)   ... from both sides
+    ranges_unclipped  (causal & (q - k < window)) | same_range     ranges reach past it
+
+Model names are aliases for the rule their reference code uses (README has the table).
 
 Work split: a program owns one KV head and a tile of BLOCK_Q consecutive new tokens of one
 sequence, times the QPK query heads that share that KV head (so each K/V tile is loaded
@@ -34,7 +39,25 @@ import triton.language as tl
 from ._checks import check_runnable, check_shape, check_tensor
 from .metadata import AttentionMetadata
 
-COMPOSITIONS = ("gemma3", "gemma4")
+# How a sliding window and prefix ranges combine (see the module doc). The names say what
+# the rule does; model names are aliases for the rule that model's reference code uses.
+WINDOW_RULES = ("clip", "two_sided", "ranges_unclipped")
+WINDOW_RULE_ALIASES = {"gemma3": "clip", "gemma4": "clip"}
+RULE_CLIP: tl.constexpr = tl.constexpr(0)
+RULE_TWO_SIDED: tl.constexpr = tl.constexpr(1)
+RULE_RANGES_UNCLIPPED: tl.constexpr = tl.constexpr(2)
+# Windows at least this wide are clamped to it: the same mask for any sequence shorter than
+# 2**30 tokens, and position arithmetic (q + window) stays inside int32.
+MAX_WINDOW = 1 << 30
+
+
+def window_rule_id(window_rule: str) -> int:
+    """The kernel's code for a rule name or alias; ValueError naming the choices."""
+    rule = WINDOW_RULE_ALIASES.get(window_rule, window_rule) if isinstance(window_rule, str) else None
+    if rule not in WINDOW_RULES:
+        raise ValueError(f"window_rule must be one of {WINDOW_RULES} (or an alias in {sorted(WINDOW_RULE_ALIASES)}), "
+                         f"got {window_rule!r}")
+    return WINDOW_RULES.index(rule)
 
 
 @triton.jit
@@ -45,7 +68,7 @@ def _attend_key_tile(
     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
     o_d, m_d,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, GEMMA4: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) with key tile kt. MASKED=False is for tiles
@@ -76,23 +99,36 @@ def _attend_key_tile(
     else:
         b_s = tl.dot(b_q, b_k)
     if USE_SOFTCAP:
-        # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1): saturates to +-1
-        b_s = b_s * (scale_log2e * 0.6931471805599453 / softcap)
-        b_s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * b_s) + 1.0)) * 1.4426950408889634
+        # softcap * tanh(y), y = logit / softcap, through |y| so that exp never overflows;
+        # below |y| = 0.1 a short series, since (1 - e) / (1 + e) cancels there (at a cap of
+        # 1e4 the exp form alone was off by 7e-4 in fp32; the series' error is < 3e-7).
+        b_y = b_s * (scale_log2e * 0.6931471805599453 / softcap)
+        b_a = tl.abs(b_y)
+        b_e = tl.exp(-2.0 * b_a)
+        b_y2 = b_y * b_y
+        b_t = tl.where(b_a < 0.1, b_a * (1.0 - b_y2 * (0.3333333333333333 - b_y2 * 0.13333333333333333)),
+                       (1.0 - b_e) / (1.0 + b_e))
+        b_s = tl.where(b_y < 0, -b_t, b_t) * (softcap * 1.4426950408889634)
     else:
         b_s = b_s * scale_log2e
 
     if MASKED:
-        causal = k_pos[None, :] <= q_pos[:, None]
-        same_range = (k_pos[None, :] >= r_start[:, None]) & (k_pos[None, :] < r_end[:, None])
+        visible = k_pos[None, :] <= q_pos[:, None]                       # causal
+        if USE_RANGES:
+            same_range = (k_pos[None, :] >= r_start[:, None]) & (k_pos[None, :] < r_end[:, None])
         if USE_WINDOW:
             in_window = (q_pos[:, None] - k_pos[None, :]) < window
-            if GEMMA4:
-                visible = (causal | same_range) & in_window
+            if USE_RANGES:
+                if WINDOW_RULE == RULE_RANGES_UNCLIPPED:
+                    visible = (visible & in_window) | same_range
+                else:
+                    visible = (visible | same_range) & in_window
+                    if WINDOW_RULE == RULE_TWO_SIDED:
+                        visible = visible & ((k_pos[None, :] - q_pos[:, None]) < window)
             else:
-                visible = (causal & in_window) | same_range
-        else:
-            visible = causal | same_range
+                visible = visible & in_window
+        elif USE_RANGES:
+            visible = visible | same_range
         visible = visible & m_k[None, :]
         b_s = tl.where(visible, b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
@@ -119,7 +155,7 @@ def _attend_span(
     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
     o_d, m_d,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, GEMMA4: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """(acc, l_i, m_i) over a_count key tiles from a_start, then b_count from b_start. The
@@ -131,13 +167,13 @@ def _attend_span(
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
                 p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, True)
+                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, True)
     else:
         for kt in range(a_start, a_start + a_count):
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
                 p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, False)
+                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, False)
     return acc, l_i, m_i
 
 
@@ -159,7 +195,7 @@ def _attend_tile(
     QPK: tl.constexpr, QPK_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_RANGES: tl.constexpr,
-    USE_WINDOW: tl.constexpr, GEMMA4: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
@@ -184,17 +220,19 @@ def _attend_tile(
     # The prefix range holding each query row ([0, 0) when none): ranges never overlap.
     r_start = tl.zeros([BLOCK_M], dtype=tl.int32)
     r_end = tl.zeros([BLOCK_M], dtype=tl.int32)
-    p_ranges = prefix_ranges_ptr + i_seq.to(tl.int64) * (MAX_RANGES * 2)
-    for r in tl.static_range(MAX_RANGES):
-        s = tl.load(p_ranges + 2 * r)
-        e = tl.load(p_ranges + 2 * r + 1)
-        inside = (q_pos >= s) & (q_pos < e)
-        r_start = tl.where(inside, s, r_start)
-        r_end = tl.where(inside, e, r_end)
+    if USE_RANGES:
+        p_ranges = prefix_ranges_ptr + i_seq.to(tl.int64) * (MAX_RANGES * 2)
+        for r in tl.static_range(MAX_RANGES):
+            s = tl.load(p_ranges + 2 * r)
+            e = tl.load(p_ranges + 2 * r + 1)
+            inside = (q_pos >= s) & (q_pos < e)
+            r_start = tl.where(inside, s, r_start)
+            r_end = tl.where(inside, e, r_end)
 
     # Keys any row of this tile can see: causal up to its last token, widened to the end
-    # of every range that holds one of its queries; the window (if any) bounds it below,
-    # and under gemma3 a range also reaches below the window.
+    # of every range that holds one of its queries (a two-sided window cuts that at
+    # window - 1 past the last query); a window bounds it below, except that ranges the
+    # window does not clip reach below it.
     first_pos = ctx_len + i_qblk * BLOCK_Q
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
     k_hi = tl.maximum(last_pos + 1, tl.max(tl.where(m_row, r_end, 0), axis=0))
@@ -204,9 +242,11 @@ def _attend_tile(
     if USE_WINDOW:
         k_lo = tl.maximum(first_pos - window + 1, 0)
         full_lo = tl.maximum(last_pos - window + 1, 0)
-        if not GEMMA4:
+        if USE_RANGES and WINDOW_RULE == RULE_RANGES_UNCLIPPED:
             in_range = m_row & (r_end > r_start)
             k_lo = tl.minimum(k_lo, tl.min(tl.where(in_range, r_start, k_lo), axis=0))
+        if USE_RANGES and WINDOW_RULE == RULE_TWO_SIDED:
+            k_hi = tl.minimum(k_hi.to(tl.int64), last_pos.to(tl.int64) + window).to(tl.int32)
     kt_lo = k_lo // BLOCK_N
     kt_hi = tl.cdiv(k_hi, BLOCK_N)
     # Tiles every row sees in full: keys <= first_pos (causal for all rows) and, with a
@@ -234,13 +274,13 @@ def _attend_tile(
         acc, l_i, m_i, st_lo, tl.maximum(lo_end - st_lo, 0), hi_start, tl.maximum(st_hi - hi_start, 0),
         b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, True)
+        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, True)
     full_start = tl.maximum(ft_lo, st_lo)
     acc, l_i, m_i = _attend_span(
         acc, l_i, m_i, full_start, tl.maximum(tl.minimum(ft_hi, st_hi) - full_start, 0), 0, 0,
         b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, GEMMA4, USE_SOFTCAP, IEEE_DOT, False)
+        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, False)
 
     has_keys = l_i > 0.0
     b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -276,7 +316,7 @@ def _attn_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SHORT_Q: tl.constexpr, SHORT_BLOCK_N: tl.constexpr,
     MAX_RANGES: tl.constexpr,
-    USE_WINDOW: tl.constexpr, GEMMA4: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     # Tiles in reverse order: a sequence's last query tiles see the most keys (causal), so
@@ -317,7 +357,7 @@ def _attn_kernel(
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, SHORT_Q, SHORT_BLOCK_N, MAX_RANGES,
-            USE_WINDOW, GEMMA4, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT)
     else:
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
@@ -328,7 +368,7 @@ def _attn_kernel(
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
-            USE_WINDOW, GEMMA4, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT)
 
 
 @triton.jit
@@ -430,9 +470,13 @@ def split_workspace(num_tokens: int, num_q_heads: int, head_dim: int, num_splits
     return part_o, part_lse
 
 
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     meta: AttentionMetadata, *, scale: float | None = None, window: int | None = None,
-                    composition: str = "gemma3", softcap: float | None = None, num_splits: int = 1,
+                    window_rule: str = "clip", ranges: bool = True, softcap: float | None = None, num_splits: int = 1,
                     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
                     max_query_len: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """Attention of the step's new tokens over their paged K/V; writes ``out`` in place.
@@ -442,8 +486,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
              tokens must already be in the cache (see ``write_kv``).
     out:     [T, Hq, D], same dtype as q. Rows of tokens past the step's count are untouched.
     meta:    the step's AttentionMetadata on the same device.
-    scale:   logit scale, default 1/sqrt(D). window: keys with ``q - k < window`` (None: off).
-    composition: how a window and prefix ranges combine, "gemma3" or "gemma4" (module doc).
+    scale:   logit scale, default 1/sqrt(D). window: keys with ``q - k < window`` (None: off;
+             windows wider than 2**30 act as 2**30).
+    window_rule: how a window and prefix ranges combine: "clip" (default), "two_sided" or
+             "ranges_unclipped"; aliases "gemma3", "gemma4" (module doc).
+    ranges:  False ignores the prefix ranges in this call (plain causal attention, as the
+             global layers of some models use).
     softcap: ``softcap * tanh(logit / softcap)`` when set.
     num_splits: split-KV factor (1 = off). workspace: ``split_workspace(...)`` buffers, made
              here when None (pass them when capturing, so the graph owns fixed buffers).
@@ -466,13 +514,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"q heads ({num_q_heads}) must be a multiple of k_cache heads ({num_kv_heads})")
     if num_tokens > meta.max_num_tokens:
         raise ValueError(f"q has {num_tokens} tokens, more than meta.slot_mapping's capacity {meta.max_num_tokens}")
-    if composition not in COMPOSITIONS:
-        raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
-    if window is not None and (not isinstance(window, int) or window < 1):
+    rule = window_rule_id(window_rule)
+    if not isinstance(ranges, bool):
+        raise TypeError(f"ranges must be a bool, got {type(ranges).__name__}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
-    if not isinstance(num_splits, int) or not 1 <= num_splits <= 64:
+    if softcap is not None and not (_is_real(softcap) and 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+    if scale is not None and not (_is_real(scale) and 0 < scale < math.inf):
+        raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= 64:
         raise ValueError(f"num_splits must be an int in [1, 64], got {num_splits!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -515,13 +566,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         meta.block_table.stride(0), meta.block_table.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2) if num_splits > 1 else 0,
         part_lse.stride(0), part_lse.stride(1),
-        float(scale) * 1.4426950408889634, float(softcap or 1.0), int(window or 0),
+        float(scale) * 1.4426950408889634, float(softcap or 1.0), min(window or 0, MAX_WINDOW),
         max_num_seqs,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=block_size,
         QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         SHORT_Q=short_q if short_block_n else 0, SHORT_BLOCK_N=short_block_n,
         MAX_RANGES=meta.max_prefix_ranges,
-        USE_WINDOW=window is not None, GEMMA4=composition == "gemma4", USE_SOFTCAP=softcap is not None,
+        USE_WINDOW=window is not None, WINDOW_RULE=rule, USE_RANGES=ranges and meta.max_prefix_ranges > 0,
+        USE_SOFTCAP=softcap is not None,
         NUM_SPLITS=num_splits, IEEE_DOT=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -2,10 +2,12 @@
 at a time. Slow and simple on purpose; use it to check a set-up, never in a step.
 
     visible(q, k) = k < seq_len and
-        gemma3: (k <= q and q - k < window) or same_range(q, k)
-        gemma4: (k <= q or same_range(q, k)) and q - k < window
-    (without a window both read ``k <= q or same_range(q, k)``), where same_range(q, k)
-    holds when one prefix range [start, end) of the sequence contains both positions.
+        no window:         k <= q or same_range(q, k)
+        clip:              (k <= q or same_range(q, k)) and q - k < window
+        two_sided:         (k <= q or same_range(q, k)) and |q - k| < window
+        ranges_unclipped:  (k <= q and q - k < window) or same_range(q, k)
+    where same_range(q, k) holds when one prefix range [start, end) of the sequence
+    contains both positions (never, with ``ranges=False``).
 """
 
 from __future__ import annotations
@@ -16,26 +18,32 @@ import torch
 
 from .metadata import AttentionMetadata
 
+_ALIASES = {"gemma3": "clip", "gemma4": "clip"}
+
 
 def attention_mask(seq_len: int, q_len: int, prefix_ranges, *, window: int | None = None,
-                   composition: str = "gemma3") -> torch.Tensor:
+                   window_rule: str = "clip", ranges: bool = True) -> torch.Tensor:
     """Dense [q_len, seq_len] bool mask for the last q_len positions of a sequence.
     ``prefix_ranges``: iterable of half-open (start, end); empty ones are ignored."""
     q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
     k_pos = torch.arange(seq_len)[None, :]
     causal = k_pos <= q_pos
     same_range = torch.zeros(q_len, seq_len, dtype=torch.bool)
-    for start, end in prefix_ranges:
+    for start, end in prefix_ranges if ranges else ():
         if end > start:
             same_range |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
     if window is None:
         return causal | same_range
+    window = min(window, seq_len + 1)      # the same mask (|q - k| <= seq_len), and no int64 overflow
     in_window = (q_pos - k_pos) < window
-    if composition == "gemma4":
+    rule = _ALIASES.get(window_rule, window_rule)
+    if rule == "clip":
         return (causal | same_range) & in_window
-    if composition == "gemma3":
+    if rule == "two_sided":
+        return (causal | same_range) & in_window & ((k_pos - q_pos) < window)
+    if rule == "ranges_unclipped":
         return (causal & in_window) | same_range
-    raise ValueError(f"composition must be 'gemma3' or 'gemma4', got {composition!r}")
+    raise ValueError(f"window_rule must be 'clip', 'two_sided' or 'ranges_unclipped', got {window_rule!r}")
 
 
 def gather_kv(cache: torch.Tensor, block_ids, seq_len: int) -> torch.Tensor:
@@ -47,15 +55,15 @@ def gather_kv(cache: torch.Tensor, block_ids, seq_len: int) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    *, scale: float | None = None, window: int | None = None, composition: str = "gemma3",
-                    softcap: float | None = None) -> torch.Tensor:
+                    *, scale: float | None = None, window: int | None = None, window_rule: str = "clip",
+                    ranges: bool = True, softcap: float | None = None) -> torch.Tensor:
     """Float64 [num_tokens, Hq, D] CPU output of the step's tokens (rows past the step's token
     count are not returned). Same arguments and semantics as ``graphrt.kernels.paged_attention``."""
     dev = k_cache.device             # computed where the cache lives: a cache can be GBs
     qsl = meta.query_start_loc.cpu().long()
     seq_lens = meta.seq_lens.cpu().long()
     block_table = meta.block_table.to(dev).long()
-    ranges = meta.prefix_ranges.cpu().long()
+    prefix_ranges = meta.prefix_ranges.cpu().long()
     q64 = q.detach().to(dev, torch.float64)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -66,7 +74,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q0, q1, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
         if q1 == q0:
             continue
-        mask = attention_mask(seq_len, q1 - q0, ranges[i].tolist(), window=window, composition=composition).to(dev)
+        mask = attention_mask(seq_len, q1 - q0, prefix_ranges[i].tolist(), window=window, window_rule=window_rule,
+                              ranges=ranges).to(dev)
         k = gather_kv(k_cache.detach(), block_table[i], seq_len).double()     # [L, Hkv, D]
         v = gather_kv(v_cache.detach(), block_table[i], seq_len).double()
         # Query head h reads KV head h // qpk: view the query heads as [Hkv, qpk].

@@ -39,15 +39,16 @@ def _call(setup, **change):
     (lambda s: dict(k_cache=s["k_cache"][..., :32], v_cache=s["v_cache"][..., :32]), ValueError, r"k_cache head_dim"),
     (lambda s: dict(q=torch.randn(7, 4, 64, device=s["q"].device), out=torch.empty(7, 4, 64, device=s["q"].device)),
      ValueError, r"q has 7 tokens, more than"),
-    (lambda s: dict(composition="gemma2"), ValueError, r"^composition must be one of"),
+    (lambda s: dict(window_rule="gemma2"), ValueError, r"^window_rule must be one of"),
+    (lambda s: dict(ranges=1), TypeError, r"^ranges must be a bool"),
     (lambda s: dict(window=0), ValueError, r"^window must be a positive int"),
     (lambda s: dict(window=8.0), ValueError, r"^window must be a positive int"),
-    (lambda s: dict(softcap=0.0), ValueError, r"^softcap must be > 0"),
+    (lambda s: dict(softcap=0.0), ValueError, r"^softcap must be a finite number > 0"),
     (lambda s: dict(num_splits=0), ValueError, r"^num_splits must be an int in \[1, 64\]"),
     (lambda s: dict(num_splits=2, workspace=split_workspace(6, 4, 64, 3, s["q"].device)), ValueError,
      r"^workspace\[0\] must be"),
 ], ids=["q-int", "cache-dtype", "out-dtype", "q-dims", "v-shape", "out-shape", "q-strided", "heads", "head-dim",
-        "tokens-over-capacity", "composition", "window-0", "window-float", "softcap", "splits", "workspace"])
+        "tokens-over-capacity", "window-rule", "ranges-int", "window-0", "window-float", "softcap", "splits", "workspace"])
 def test_paged_attention_rejects(setup, change, err, match):
     out_before = setup["out"].clone()
     with pytest.raises(err, match=match):

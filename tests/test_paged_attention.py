@@ -36,7 +36,8 @@ class Case:
     block_size: int = 16
     max_ranges: int = 4
     window: int | None = None
-    composition: str = "gemma3"
+    window_rule: str = "clip"
+    ranges: bool = True                # False: this call ignores the prefix ranges
     softcap: float | None = None
     q_scale: float = 1.0               # larger logits, to push the soft-cap into saturation
     splits: int = 1
@@ -52,10 +53,17 @@ CASES = [
     Case("zero-q-len-inside", (S(5, 3), S(0, 9), S(1, 20), S(0, 0), S(33, 0))),
     Case("qpk-3", (S(20, 11, ((2, 9),)), S(1, 40)), heads=(6, 2)),
     Case("ranges-edges", RANGE_EDGES),
-    Case("ranges-window-gemma3", RANGE_EDGES, window=8),
-    Case("ranges-window-gemma4", RANGE_EDGES, window=8, composition="gemma4"),
+    Case("ranges-window-clip", RANGE_EDGES, window=8),
+    Case("ranges-window-two-sided", RANGE_EDGES, window=8, window_rule="two_sided"),
+    Case("ranges-window-unclipped", RANGE_EDGES, window=8, window_rule="ranges_unclipped"),
+    Case("ranges-window-alias-gemma3", RANGE_EDGES, window=8, window_rule="gemma3"),
+    Case("ranges-off", RANGE_EDGES, ranges=False),
+    Case("ranges-off-window", RANGE_EDGES, window=8, ranges=False, window_rule="ranges_unclipped"),
+    Case("huge-window", RANGE_EDGES, window=2 ** 63, window_rule="two_sided"),
     Case("window-no-ranges", (S(40, 30), S(1, 100)), window=16),
     Case("softcap", RANGE_EDGES, softcap=2.0, q_scale=4.0),
+    Case("softcap-huge-cap", RANGE_EDGES, softcap=1e4, q_scale=4.0),   # logit / cap ~ 1e-4: no cancellation
+    Case("softcap-tiny-cap", RANGE_EDGES, softcap=0.05, q_scale=4.0),  # saturated everywhere
     Case("no-range-slots", (S(20, 5), S(1, 40)), max_ranges=0),
     Case("block-size-32", (S(33, 31, ((40, 64),)), S(1, 64)), block_size=32),
     Case("head-dim-128", (S(17, 20, ((5, 30),)), S(1, 33)), heads=(4, 1), head_dim=128),
@@ -63,12 +71,16 @@ CASES = [
     Case("head-dim-80", (S(17, 3), S(1, 40, ((10, 30),))), head_dim=80),
     Case("split-decode", (S(1, 200, ((3, 100),)), S(1, 5), S(1, 130), S(2, 63, ((60, 65),))), splits=4),
     Case("split-mixed-window-softcap", (S(1, 150), S(24, 40, ((30, 60),))), splits=3, window=32, softcap=5.0),
-    Case("split-gemma4-ranges", (S(1, 90, ((10, 80),)), S(17, 17, ((0, 34),))), splits=2, window=12,
-         composition="gemma4"),
+    Case("split-clip-ranges", (S(1, 90, ((10, 80),)), S(17, 17, ((0, 34),))), splits=2, window=12),
+    Case("split-two-sided-ranges", (S(1, 90, ((10, 80),)), S(17, 17, ((0, 34),))), splits=2, window=12,
+         window_rule="two_sided"),
     # Small key tiles so that a window leaves tiles every row sees in full (the unmasked
     # path) between masked ones; large tiles as the GPU's prefill table uses.
-    Case("full-tiles-window-gemma3", FULL_TILES, window=43, config=KernelConfig(block_q=4, block_n=16)),
-    Case("full-tiles-window-gemma4-split", FULL_TILES, window=43, composition="gemma4", splits=3,
+    Case("full-tiles-window-unclipped", FULL_TILES, window=43, window_rule="ranges_unclipped",
+         config=KernelConfig(block_q=4, block_n=16)),
+    Case("full-tiles-window-two-sided", FULL_TILES, window=21, window_rule="two_sided",
+         config=KernelConfig(block_q=4, block_n=16)),
+    Case("full-tiles-window-clip-split", FULL_TILES, window=43, splits=3,
          config=KernelConfig(block_q=4, block_n=16)),
     Case("full-tiles-softcap-split", FULL_TILES, softcap=3.0, q_scale=3.0, splits=2,
          config=KernelConfig(block_q=8, block_n=32)),
@@ -77,7 +89,8 @@ CASES = [
     Case("random-small-tiles-window", window=29, config=KernelConfig(block_q=4, block_n=16)),
     Case("random"),
     Case("random-window", window=24),
-    Case("random-gemma4-split", window=40, composition="gemma4", splits=4, column_major=True),
+    Case("random-clip-split", window=40, splits=4, column_major=True),
+    Case("random-two-sided", window=20, window_rule="two_sided"),
 ]
 
 
@@ -98,7 +111,7 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device) -> None:
     v_cache = torch.randn(cache_shape, generator=gen).to(device=device, dtype=dtype)
     q = (case.q_scale * torch.randn(total + 5, hq, case.head_dim, generator=gen)).to(device=device, dtype=dtype)
     out = torch.full_like(q, float("nan"))
-    opts = dict(window=case.window, composition=case.composition, softcap=case.softcap)
+    opts = dict(window=case.window, window_rule=case.window_rule, ranges=case.ranges, softcap=case.softcap)
 
     paged_attention(q, k_cache, v_cache, out, meta, num_splits=case.splits, config=case.config, **opts)
 
@@ -173,7 +186,7 @@ def test_same_launch_serves_changing_steps(device):
 
 def test_random_tile_shapes(device):
     """Random tile tables (query tile, key tile, short path, splits) with random windows,
-    compositions and soft-caps over random batches: the masked / full / short split of the
+    window rules, ranges on/off and soft-caps over random batches: the masked / full / short split of the
     work must give the reference result for any shape, not only the table's."""
     seed = fresh_seed()
     rng, gen = rngs(seed)
@@ -184,7 +197,8 @@ def test_random_tile_shapes(device):
         config = KernelConfig(block_q=block_q, block_n=int(rng.choice([16, 32, 64])),
                               short_block_n=int(rng.choice([16, 32, 64])) if rng.random() < 0.7 else None)
         opts = dict(window=int(rng.integers(5, 80)) if rng.random() < 0.6 else None,
-                    composition=str(rng.choice(["gemma3", "gemma4"])),
+                    window_rule=str(rng.choice(["clip", "two_sided", "ranges_unclipped"])),
+                    ranges=bool(rng.random() < 0.8),
                     softcap=3.0 if rng.random() < 0.3 else None)
         splits = int(rng.choice([1, 1, 2, 3]))
         seqs = random_seqs(rng, int(rng.integers(1, 5)), max_q=50, max_ctx=150, max_ranges=2)
