@@ -9,8 +9,15 @@ field 16-byte aligned):
     query_start_loc  [S + 1]    int32  cumulative new tokens; padding repeats the total
     seq_lens         [S]        int32  context + new tokens; 0 for padding
     prefix_ranges    [S, R, 2]  int32  half-open ranges, empty (0, 0) when unused
+    embed_index      [T]        int32  row of ``inputs_embeds`` holding the token's input
+                                       embedding, -1 = none (only when cfg.embed_dim > 0)
     block_table      [B, S]     int32  stored column-major (block j of every sequence
                                        together), seen by the kernels as an [S, B] view
+
+Beside the arena, when ``cfg.embed_dim > 0``, one device buffer ``inputs_embeds
+[max_num_tokens, embed_dim]`` (cfg.dtype) takes the step's given embeddings (a vision
+encoder's output, say) by a device-to-device copy of their rows, packed from row 0;
+``embed_index`` says which token each row belongs to, and travels in the one pinned copy.
 
 Each bucket has its own compact layout at the start of the arena, so a step copies only
 its bucket's fields, and the block table goes last, column-major, so that a step whose
@@ -46,10 +53,12 @@ class Layout:
     block_table_offset: int
 
     @staticmethod
-    def make(num_seqs: int, num_tokens: int, max_ranges: int, max_blocks: int) -> "Layout":
+    def make(num_seqs: int, num_tokens: int, max_ranges: int, max_blocks: int, *, embeds: bool = False) -> "Layout":
         fields = [("slot_mapping", 8 * num_tokens), ("positions", 8 * num_tokens), ("input_ids", 8 * num_tokens),
                   ("query_start_loc", 4 * (num_seqs + 1)), ("seq_lens", 4 * num_seqs),
                   ("prefix_ranges", 4 * num_seqs * max_ranges * 2)]
+        if embeds:
+            fields.append(("embed_index", 4 * num_tokens))
         offsets, at = {}, 0
         for name, nbytes in fields:
             offsets[name] = at
@@ -80,6 +89,7 @@ class Layout:
             query_start_loc=view("query_start_loc", 4, s + 1),
             seq_lens=view("seq_lens", 4, s),
             prefix_ranges=view("prefix_ranges", 4, s * self.max_ranges * 2).reshape(s, self.max_ranges, 2),
+            embed_index=view("embed_index", 4, t) if "embed_index" in o else None,
             block_table=bt.T,                                     # [S, B], strides (1, S)
         )
 
@@ -96,6 +106,8 @@ class DeviceViews:
     meta: AttentionMetadata
     positions: torch.Tensor      # [T] int64
     input_ids: torch.Tensor      # [T] int64
+    embed_index: torch.Tensor | None     # [T] int32, -1 = no given embedding (None: embed_dim 0)
+    inputs_embeds: torch.Tensor | None   # [T, embed_dim] cfg.dtype, rows packed from 0
 
 
 class StepBuffers:
@@ -112,6 +124,9 @@ class StepBuffers:
         nbytes = self.capacity.nbytes
         pin = self.device.type == "cuda"
         self.arena = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        # [max_num_tokens, embed_dim]: given input embeddings, filled device-to-device
+        self.inputs_embeds = (torch.zeros(cfg.max_num_tokens, cfg.embed_dim, dtype=cfg.dtype, device=self.device)
+                              if cfg.embed_dim else None)
         self.staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(ring)]
         self._staging_np = [s.numpy() for s in self.staging]
         self._host_views: dict[tuple, dict[str, np.ndarray]] = {}
@@ -121,22 +136,27 @@ class StepBuffers:
 
     def layout(self, num_seqs: int, num_tokens: int) -> Layout:
         """The arena layout of a bucket of num_seqs sequences and num_tokens tokens."""
-        return Layout.make(num_seqs, num_tokens, self.cfg.max_prefix_ranges, self.cfg.max_blocks_per_seq)
+        return Layout.make(num_seqs, num_tokens, self.cfg.max_prefix_ranges, self.cfg.max_blocks_per_seq,
+                           embeds=self.cfg.embed_dim > 0)
 
     def device_views(self, layout: Layout) -> DeviceViews:
         """Typed device views of the arena under ``layout``: the AttentionMetadata
         (query_start_loc [S+1] i32, seq_lens [S] i32, block_table [S, B] i32 column-major,
-        prefix_ranges [S, R, 2] i32, slot_mapping [T] i64), positions and input_ids [T] i64."""
+        prefix_ranges [S, R, 2] i32, slot_mapping [T] i64), positions and input_ids [T] i64,
+        and with embeddings embed_index [T] i32 and inputs_embeds [T, embed_dim]."""
         v = layout.views(self.arena)
         meta = AttentionMetadata(query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"],
                                  block_table=v["block_table"], prefix_ranges=v["prefix_ranges"],
                                  slot_mapping=v["slot_mapping"])
-        return DeviceViews(layout, meta, v["positions"], v["input_ids"])
+        embeds = None if self.inputs_embeds is None else self.inputs_embeds[: layout.num_tokens]
+        return DeviceViews(layout, meta, v["positions"], v["input_ids"], v["embed_index"], embeds)
 
-    def pack(self, step: Step, layout: Layout, input_ids: np.ndarray | None = None) -> int:
+    def pack(self, step: Step, layout: Layout, input_ids: np.ndarray | None = None,
+             embed_rows: np.ndarray | None = None) -> int:
         """Write ``step`` (validated, fitting ``layout``) into the next free pinned slot and
-        return the slot. Waits on the GPU only when every slot still has a copy in flight,
-        that is when the host is ``ring`` steps ahead."""
+        return the slot; ``embed_rows`` (checked) are the tokens whose embeddings the step
+        brings, in the order of their rows. Waits on the GPU only when every slot still has
+        a copy in flight, that is when the host is ``ring`` steps ahead."""
         slot = self._next
         self._next = (slot + 1) % len(self.staging)
         event = self._events[slot]
@@ -158,6 +178,11 @@ class StepBuffers:
         else:
             ids[:n] = input_ids
             ids[n:] = 0
+        index = v["embed_index"]
+        if index is not None:
+            index[:] = -1
+            if embed_rows is not None:
+                index[embed_rows] = np.arange(len(embed_rows), dtype=np.int32)
         return slot
 
     def copy(self, slot: int, nbytes: int, *, strict: bool = False) -> int:
@@ -185,4 +210,6 @@ class StepBuffers:
         v["slot_mapping"].fill_(-1)
         v["positions"].zero_()
         v["input_ids"].zero_()
+        if v["embed_index"] is not None:
+            v["embed_index"].fill_(-1)
 

@@ -14,16 +14,27 @@ import torch
 
 from graphrt.config import RuntimeConfig
 from graphrt.kernels import reference
+from graphrt.runtime import merge_embeds
 from graphrt.step import Step, build_metadata
 
 
 class _ReferenceContext:
-    def __init__(self, runner: "ReferenceRunner", step: Step, input_ids):
+    def __init__(self, runner: "ReferenceRunner", step: Step, input_ids, embeds, embed_rows):
         self.meta, self.positions = build_metadata(step, runner.cfg, runner.device)
         self.input_ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.int64, device=runner.device)
         self.last_token_index = (self.meta.query_start_loc[1:] - 1).long()   # [S]
         self.num_tokens, self.num_seqs = step.num_tokens, step.num_seqs
+        self.embed_index = self.inputs_embeds = None
+        if runner.cfg.embed_dim:
+            index = np.full(step.num_tokens, -1, np.int32)
+            if embeds is not None:
+                index[np.asarray(embed_rows)] = np.arange(len(embed_rows), dtype=np.int32)
+                self.inputs_embeds = embeds.to(runner.device)
+            self.embed_index = torch.from_numpy(index).to(runner.device)
         self._runner = runner
+
+    def merge_embeds(self, x: torch.Tensor) -> torch.Tensor:
+        return merge_embeds(x, self.inputs_embeds, self.embed_index)
 
     def attention(self, layer, q, k, v, *, scale=None, window=None, window_rule="clip", ranges=True, softcap=None):
         r = self._runner
@@ -50,7 +61,8 @@ class ReferenceRunner:
         self.k_caches = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(num_layers)]
 
-    def step(self, step: Step, input_ids) -> Any:
-        """Run ``model_step`` on ``step`` (input_ids: [num_tokens] ints) with reference
-        attention; returns what the model step returns (unpadded: num_tokens rows)."""
-        return self.model_step(_ReferenceContext(self, step, input_ids))
+    def step(self, step: Step, input_ids, *, embeds: torch.Tensor | None = None, embed_rows=None) -> Any:
+        """Run ``model_step`` on ``step`` (input_ids: [num_tokens] ints; embeds and
+        embed_rows as ``Runtime.step`` takes them) with reference attention; returns what
+        the model step returns (unpadded: num_tokens rows)."""
+        return self.model_step(_ReferenceContext(self, step, input_ids, embeds, embed_rows))

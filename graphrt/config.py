@@ -27,6 +27,7 @@ class RuntimeConfig:
     max_model_len: int        # context + new tokens of one sequence
     max_prefix_ranges: int = 8  # prefix ranges (images) per sequence
     dtype: torch.dtype = torch.bfloat16
+    embed_dim: int = 0          # width of input embeddings a step may bring (0: token ids only)
 
     def __post_init__(self) -> None:
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "num_blocks", "max_num_seqs",
@@ -34,6 +35,8 @@ class RuntimeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RuntimeConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.embed_dim, bool) or not isinstance(self.embed_dim, int) or self.embed_dim < 0:
+            raise ValueError(f"RuntimeConfig.embed_dim must be an int >= 0, got {self.embed_dim!r}")
         if isinstance(self.max_prefix_ranges, bool) or not isinstance(self.max_prefix_ranges, int) \
                 or not 0 <= self.max_prefix_ranges <= 64:
             raise ValueError(f"RuntimeConfig.max_prefix_ranges must be an int in [0, 64], got {self.max_prefix_ranges!r}")

@@ -3,10 +3,12 @@
     rt = graphrt.Runtime(cfg, model_step, num_layers=2)
     rt.capture()                          # CUDA only; without it every step runs eagerly
     out = rt.step(step, input_ids)        # the first step.num_tokens rows are this step's
+    out = rt.step(step, input_ids, embeds=image_features, embed_rows=rows)   # cfg.embed_dim > 0
 
 ``model_step(ctx)`` is the user's forward: it reads ``ctx.input_ids`` / ``ctx.positions``
-(static [T] int64 tensors of the bucket), calls ``ctx.attention(layer, q, k, v, ...)`` in
-each layer (KV-cache write + paged attention) and returns its outputs. Under a graph the
+(static [T] int64 tensors of the bucket), puts given embeddings in with
+``ctx.merge_embeds(x)``, calls ``ctx.attention(layer, q, k, v, ...)`` in each layer
+(KV-cache write + paged attention) and returns its outputs. Under a graph the
 outputs are static tensors, overwritten by the next replay of the same bucket: consume
 them (on the same stream) before then.
 """
@@ -36,6 +38,8 @@ class StepContext:
         self.meta = views.meta                    # AttentionMetadata of the bucket
         self.input_ids = views.input_ids          # [T] int64
         self.positions = views.positions          # [T] int64
+        self.embed_index = views.embed_index      # [T] int32 row of inputs_embeds, -1 = none; None without
+        self.inputs_embeds = views.inputs_embeds  # [T, embed_dim] given embeddings, rows packed from 0
         self.num_tokens = views.layout.num_tokens  # T: token capacity of this bucket
         self.num_seqs = views.layout.num_seqs     # S: sequence capacity of this bucket
         self._rt = runtime
@@ -50,6 +54,11 @@ class StepContext:
         """[S] int64 row of each sequence's last new token (where its next token is sampled);
         padded sequences point at row 0 or the step's last row."""
         return (self.meta.query_start_loc[1:] - 1).clamp_min(0).long()
+
+    def merge_embeds(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ([..., T, E] token embeddings) with the rows of tokens that brought an input
+        embedding this step replaced by it; ``x`` itself without embedding inputs."""
+        return merge_embeds(x, self.inputs_embeds, self.embed_index)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                   window: int | None = None, window_rule: str = "clip", ranges: bool = True,
@@ -190,24 +199,32 @@ class Runtime:
 
     def _guarded(self) -> list[tuple[str, torch.Tensor]]:
         pairs = [("arena", self.buffers.arena)]
+        pairs += [("inputs_embeds", self.buffers.inputs_embeds)] if self.buffers.inputs_embeds is not None else []
         pairs += [(f"k_caches[{i}]", t) for i, t in enumerate(self.k_caches)]
         pairs += [(f"v_caches[{i}]", t) for i, t in enumerate(self.v_caches)]
         pairs += [(name, _weight(owner, key)) for name, owner, key in self._weights()]
         return pairs
 
     def _guarded_fast(self) -> list[torch.Tensor]:
-        return [self.buffers.arena, *self.k_caches, *self.v_caches,
+        embeds = [self.buffers.inputs_embeds] if self.buffers.inputs_embeds is not None else []
+        return [self.buffers.arena, *embeds, *self.k_caches, *self.v_caches,
                 *[_weight(owner, key) for _, owner, key in self._weights()]]
 
     # ---------------------------------------------------------------- step
-    def step(self, step: Step, input_ids: Any = None) -> Any:
+    def step(self, step: Step, input_ids: Any = None, *, embeds: torch.Tensor | None = None,
+             embed_rows: Any = None) -> Any:
         """Run one step. ``input_ids``: the step's token ids, [num_tokens] ints on the host
         (list, numpy, CPU tensor) or a device tensor (copied device-to-device), or None.
+        ``embeds``: [n, cfg.embed_dim] input embeddings for n of the step's tokens, a tensor
+        on the runtime's device (copied device-to-device into ``ctx.inputs_embeds``; host
+        tensors are refused: that would be a second host copy); ``embed_rows``: the n
+        tokens (indices into the step's tokens, in step order) they belong to.
         Validates everything before touching a buffer; returns the step function's outputs."""
         if not isinstance(step, Step):
             raise TypeError(f"step must be a graphrt.Step, got {type(step).__name__}")
         step.validate(self.cfg)
         host_ids, device_ids = _check_input_ids(input_ids, step.num_tokens, self.device)
+        rows = _check_embeds(embeds, embed_rows, step.num_tokens, self.cfg, self.device)
         captured = self.graphs.pick(step.num_seqs, step.num_tokens, step.is_decode) if self.graphs else None
         if captured is not None:
             self.graphs.check_guard()
@@ -223,11 +240,13 @@ class Runtime:
             nbytes = layout.copy_bytes(step.block_columns)
             tr = self.tracer
             with tr.range("stage", bucket=bucket, seqs=step.num_seqs, tokens=step.num_tokens):
-                slot = self.buffers.pack(step, layout, host_ids)
+                slot = self.buffers.pack(step, layout, host_ids, rows)
             with tr.range("copy", bytes=nbytes):
                 self.buffers.copy(slot, nbytes, strict=strict)
                 if device_ids is not None:
                     ctx.input_ids[: step.num_tokens].copy_(device_ids, non_blocking=True)
+                if rows is not None:
+                    ctx.inputs_embeds[: rows.shape[0]].copy_(embeds, non_blocking=True)
             if captured is not None:
                 with tr.range("replay", bucket=bucket, seqs=step.num_seqs, tokens=step.num_tokens):
                     outputs = self.graphs.replay(captured)
@@ -263,6 +282,45 @@ def _check_input_ids(input_ids: Any, num_tokens: int, device: torch.device):
         raise ValueError(f"input_ids must be {num_tokens} integers (the step's tokens), got shape {ids.shape} "
                          f"dtype {ids.dtype}")
     return ids, None
+
+
+def _check_embeds(embeds: Any, embed_rows: Any, num_tokens: int, cfg: RuntimeConfig,
+                  device: torch.device) -> np.ndarray | None:
+    """The rows as an int array (None without embeddings), after checking both arguments."""
+    if embeds is None and embed_rows is None:
+        return None
+    if embeds is None or embed_rows is None:
+        raise ValueError("embeds and embed_rows go together: pass both or neither")
+    if not cfg.embed_dim:
+        raise ValueError("this runtime takes no input embeddings: RuntimeConfig.embed_dim is 0")
+    if not isinstance(embeds, torch.Tensor):
+        raise TypeError(f"embeds must be a torch.Tensor, got {type(embeds).__name__}")
+    if embeds.device != device:
+        raise ValueError(f"embeds is on {embeds.device}, the runtime on {device}: input embeddings are copied "
+                         f"device-to-device only (move them with .to({str(device)!r}) first)")
+    if not embeds.is_floating_point() or embeds.dim() != 2 or embeds.shape[1] != cfg.embed_dim:
+        raise ValueError(f"embeds must be a [n, embed_dim={cfg.embed_dim}] float tensor, got "
+                         f"{tuple(embeds.shape)} {embeds.dtype}")
+    rows = embed_rows.numpy() if isinstance(embed_rows, torch.Tensor) and embed_rows.device.type == "cpu" \
+        else np.asarray(embed_rows)
+    if rows.dtype.kind not in "iu" or rows.shape != (embeds.shape[0],):
+        raise ValueError(f"embed_rows must be {embeds.shape[0]} host ints (one per row of embeds), got shape "
+                         f"{rows.shape} dtype {rows.dtype}")
+    if rows.size and (rows.min() < 0 or rows.max() >= num_tokens):
+        raise ValueError(f"embed_rows must be token indices in [0, {num_tokens}) (the step's tokens), got "
+                         f"{rows.min()}..{rows.max()}")
+    if rows.size > 1 and np.unique(rows).size != rows.size:
+        raise ValueError("embed_rows has a token twice: each token takes at most one embedding")
+    return rows
+
+
+def merge_embeds(x: torch.Tensor, inputs_embeds: torch.Tensor | None, embed_index: torch.Tensor | None) -> torch.Tensor:
+    """x ([..., T, E]) with row t replaced by ``inputs_embeds[embed_index[t]]`` wherever
+    ``embed_index[t] >= 0``; no host sync (a gather and a select)."""
+    if inputs_embeds is None or embed_index is None:
+        return x
+    given = inputs_embeds.index_select(0, embed_index.clamp_min(0))        # [T, E]
+    return torch.where((embed_index >= 0)[:, None], given.to(x.dtype), x)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """A tiny random-weight transformer that runs on graphrt: the demo's model and the tests'.
 
-Embedding + learned positions, then per layer a fused qkv projection, graphrt attention
+Embedding (or the step's given input embeddings, with ``cfg.embed_dim == hidden``) +
+learned positions, then per layer a fused qkv projection, graphrt attention
 (KV write + paged attention; even layers use a sliding window) and an output projection
 with a residual. No MLP or norm: the attention path is what is exercised.
 """
@@ -38,7 +39,10 @@ class ToyModel(nn.Module):
         last_token_index and attention). Returns hidden [T, hidden] and the logits of each
         sequence's last token [S, vocab]."""
         hq, hkv, d = self.cfg.num_q_heads, self.cfg.num_kv_heads, self.cfg.head_dim
-        x = self.embed[ctx.input_ids] + self.pos_embed[ctx.positions]              # [T, hidden]
+        x = self.embed[ctx.input_ids]                                               # [T, hidden]
+        if self.cfg.embed_dim:          # tokens that brought an input embedding take it instead
+            x = ctx.merge_embeds(x)
+        x = x + self.pos_embed[ctx.positions]
         for i in range(self.num_layers):
             qkv = x @ self.w_qkv[i]                                                 # [T, (hq + 2 hkv) d]
             q = qkv[:, : hq * d].view(-1, hq, d)
