@@ -27,7 +27,7 @@ class _ReferenceContext:
         self.embed_index = self.inputs_embeds = None
         if runner.cfg.embed_dim:
             index = np.full(step.num_tokens, -1, np.int32)
-            if embeds is not None:
+            if embeds is not None and embeds.shape[0]:
                 index[np.asarray(embed_rows)] = np.arange(len(embed_rows), dtype=np.int32)
                 self.inputs_embeds = embeds.to(runner.device)
             self.embed_index = torch.from_numpy(index).to(runner.device)

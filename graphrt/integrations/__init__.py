@@ -1,0 +1,1 @@
+"""Adapters that run model libraries' own modeling code on the graphrt runtime."""

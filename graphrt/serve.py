@@ -1,0 +1,102 @@
+"""A small continuous-batching loop over a Runtime, for the demo and the adapter tests.
+
+Requests join at different steps; each step takes every decode plus prefill chunks within a
+token budget. A chunk never ends inside an image (a prefix range may only use keys that are
+in the cache after the step, so an image is prefilled whole, in one chunk), a sequence
+carries the ranges of the images it has complete, and the image tokens in a chunk bring
+their embeddings through ``Runtime.step(embeds=, embed_rows=)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from graphrt.step import SeqStep, Step
+
+
+def next_chunk(cached: int, budget: int, length: int, ranges: Sequence[tuple[int, int]]) -> int:
+    """Prompt tokens to prefill next for a sequence with ``cached`` of ``length`` prompt
+    tokens in the cache: at most ``budget``, except that a chunk never ends inside a range
+    ``[start, end)``: it stops before the range, or, when the range starts the chunk, takes
+    it whole (which may exceed the budget). 0 when nothing fits."""
+    n = min(length - cached, budget)
+    for start, end in ranges:
+        if start < cached + n < end:
+            n = start - cached if start > cached else end - cached
+            break
+    return max(n, 0)
+
+
+@dataclass
+class Request:
+    rid: int
+    arrival: int                          # step at which it joins
+    prompt: list[int]
+    new_tokens: int                       # tokens to generate
+    ranges: list[tuple[int, int]] = field(default_factory=list)   # image tokens, half-open positions
+    features: torch.Tensor | None = None  # [sum of range lengths, E] embeddings of the ranges' tokens, in order
+    blocks: list[int] = field(default_factory=list)
+    cached: int = 0                       # tokens in the KV cache
+    generated: list[int] = field(default_factory=list)
+    logits: list[tuple[int, torch.Tensor]] = field(default_factory=list)   # (position, logits there)
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.new_tokens
+
+
+def schedule(running: list[Request], chunk: int, block_size: int, free_blocks: list[int]):
+    """This step's (SeqSteps, token ids, owners, embeds or None, embed rows)."""
+    budget, seqs, ids, owners, embeds, rows = chunk, [], [], [], [], []
+    for r in running:
+        prefilling = r.cached < len(r.prompt)
+        n = next_chunk(r.cached, budget, len(r.prompt), r.ranges) if prefilling else 0
+        if prefilling and n == 0:
+            continue                      # no prefill budget left this step
+        q_len, first = n or 1, len(ids)
+        ids += r.prompt[r.cached: r.cached + n] if n else [r.generated[-1]]
+        budget = max(budget - n, 0)
+        row = 0
+        for start, end in r.ranges:       # images inside this chunk bring their embeddings
+            if r.features is not None and r.cached <= start and end <= r.cached + n:
+                embeds.append(r.features[row: row + end - start])
+                rows += range(first + start - r.cached, first + end - r.cached)
+            row += end - start
+        while len(r.blocks) * block_size < r.cached + q_len:
+            r.blocks.append(free_blocks.pop())
+        seen = [rg for rg in r.ranges if rg[1] <= r.cached + q_len]
+        seqs.append(SeqStep(q_len=q_len, context_len=r.cached, block_ids=list(r.blocks), prefix_ranges=seen))
+        owners.append(r)
+    return seqs, ids, owners, (torch.cat(embeds) if embeds else None), rows
+
+
+def serve(rt, requests: list[Request], *, chunk: int, free_blocks: list[int], never: Sequence[int] = (),
+          on_step: Callable[[int, Step, list[Request]], None] | None = None) -> int:
+    """Run ``requests`` to completion on ``rt`` (a Runtime whose model step returns the
+    logits of each sequence's last token, [S, vocab], or a tuple ending with them);
+    greedy tokens, never one of ``never`` (image placeholders, say). Each request keeps
+    the logits of every position it sampled at. Returns the number of steps."""
+    banned = torch.tensor(list(never), dtype=torch.long).to(rt.device)     # once, before the first step
+    step_no = steps = 0
+    while not all(r.done for r in requests):
+        running = [r for r in requests if r.arrival <= step_no and not r.done]
+        step_no += 1
+        seqs, ids, owners, embeds, rows = schedule(running, chunk, rt.cfg.block_size, free_blocks)
+        if not seqs:
+            continue
+        step = Step(seqs)
+        out = rt.step(step, ids, embeds=embeds, embed_rows=rows if embeds is not None else None)
+        logits = (out[-1] if isinstance(out, tuple) else out)[: step.num_seqs].float().clone()
+        tokens = logits.index_fill(1, banned, float("-inf")).argmax(-1).tolist()   # the loop's own read-back
+        steps += 1
+        for i, (r, q_len) in enumerate(zip(owners, step.q_lens.tolist())):
+            r.cached += q_len
+            if r.cached >= len(r.prompt):
+                r.logits.append((r.cached - 1, logits[i]))
+                r.generated.append(int(tokens[i]))
+        if on_step:
+            on_step(step_no, step, owners)
+    return steps
