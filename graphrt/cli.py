@@ -29,8 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--layers", type=int, default=2)
     demo.add_argument("--requests", type=int, default=3)
     demo.add_argument("--new-tokens", type=int, default=4, help="tokens generated per request")
-    demo.add_argument("--chunk", type=int, default=32, help="prefill tokens per step (chunked prefill)")
+    demo.add_argument("--chunk", type=int, default=None,
+                      help="prefill tokens per step (chunked prefill; default 32, 12 with --model)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--model", default="toy",
+                      help="toy (graphrt's own), or a tiny random transformers model through the adapter: "
+                           "llama, mistral, gemma2, gemma3-text, gemma3 (needs the transformers extra)")
     bench = sub.add_parser("bench", help="benchmarks: JSON and PNG under benchmarks/results/<gpu or cpu>/")
     bench.add_argument("which", nargs="*", default=[], help="step, kernels, runtime, capture, soak, parallel (default: all)")
     bench.add_argument("--quick", action="store_true", help="tiny sizes; on CPU always")
@@ -56,10 +60,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_profile(device=device, layers=args.layers, batch=args.batch, context=args.context,
                            steps=args.steps, warmup=args.warmup, trace=args.trace, nsys=args.nsys)
+    if args.model != "toy":
+        from graphrt.demo_transformers import run_transformers_demo
+
+        return run_transformers_demo(kind=args.model, device=device, chunk=args.chunk or 12,
+                                     seed=args.seed)
     from graphrt.demo import run_demo
 
     return run_demo(device=device, layers=args.layers, requests=args.requests, new_tokens=args.new_tokens,
-                    chunk=args.chunk, seed=args.seed)
+                    chunk=args.chunk or 32, seed=args.seed)
 
 
 def _bench(args) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from graphrt.step import SeqStep, Step
 
@@ -38,6 +39,7 @@ class Request:
     new_tokens: int                       # tokens to generate
     ranges: list[tuple[int, int]] = field(default_factory=list)   # image tokens, half-open positions
     features: torch.Tensor | None = None  # [sum of range lengths, E] embeddings of the ranges' tokens, in order
+    pixels: torch.Tensor | None = None    # the images the features came from (for a reference forward)
     blocks: list[int] = field(default_factory=list)
     cached: int = 0                       # tokens in the KV cache
     generated: list[int] = field(default_factory=list)
@@ -73,13 +75,13 @@ def schedule(running: list[Request], chunk: int, block_size: int, free_blocks: l
     return seqs, ids, owners, (torch.cat(embeds) if embeds else None), rows
 
 
-def serve(rt, requests: list[Request], *, chunk: int, free_blocks: list[int], never: Sequence[int] = (),
+def serve(rt, requests: list[Request], *, chunk: int, free_blocks: list[int], never: Sequence[int] | torch.Tensor = (),
           on_step: Callable[[int, Step, list[Request]], None] | None = None) -> int:
     """Run ``requests`` to completion on ``rt`` (a Runtime whose model step returns the
     logits of each sequence's last token, [S, vocab], or a tuple ending with them);
     greedy tokens, never one of ``never`` (image placeholders, say). Each request keeps
     the logits of every position it sampled at. Returns the number of steps."""
-    banned = torch.tensor(list(never), dtype=torch.long).to(rt.device)     # once, before the first step
+    banned = torch.as_tensor(never, dtype=torch.long).to(rt.device)     # once, before the first step
     step_no = steps = 0
     while not all(r.done for r in requests):
         running = [r for r in requests if r.arrival <= step_no and not r.done]
@@ -88,7 +90,8 @@ def serve(rt, requests: list[Request], *, chunk: int, free_blocks: list[int], ne
         if not seqs:
             continue
         step = Step(seqs)
-        out = rt.step(step, ids, embeds=embeds, embed_rows=rows if embeds is not None else None)
+        with record_function("graphrt_step"):          # what a profile of the loop counts as the step
+            out = rt.step(step, ids, embeds=embeds, embed_rows=rows if embeds is not None else None)
         logits = (out[-1] if isinstance(out, tuple) else out)[: step.num_seqs].float().clone()
         tokens = logits.index_fill(1, banned, float("-inf")).argmax(-1).tolist()   # the loop's own read-back
         steps += 1

@@ -14,68 +14,9 @@ transformers = pytest.importorskip("transformers")
 
 from _cases import fresh_seed  # noqa: E402
 from graphrt import Runtime  # noqa: E402
+from graphrt.integrations.tiny import BOI, EOI, IMAGE, KINDS, VOCAB, logit_error, make_requests, tiny_model  # noqa: E402
 from graphrt.integrations.transformers import TransformersModel  # noqa: E402
-from graphrt.serve import Request, serve  # noqa: E402
-
-VOCAB, IMAGE, BOI, EOI = 96, 95, 93, 94
-TOKENS_PER_IMAGE = 16
-
-
-def tiny_model(kind: str, seed: int) -> torch.nn.Module:
-    """A random-weight model of the named family, small enough for the interpreter."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(num_hidden_layers=2, rope_parameters=dict(
-            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=64), **common)
-        return transformers.LlamaForCausalLM(cfg)
-    if kind == "mistral":                         # a sliding window on every layer
-        return transformers.MistralForCausalLM(transformers.MistralConfig(num_hidden_layers=2, sliding_window=7,
-                                                                          **common))
-    if kind == "gemma2":                          # attention and final logit soft-caps
-        cfg = transformers.Gemma2Config(num_hidden_layers=2, sliding_window=6, query_pre_attn_scalar=24,
-                                        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **common)
-        return transformers.Gemma2ForCausalLM(cfg)
-    text = transformers.Gemma3TextConfig(num_hidden_layers=4, sliding_window=6, query_pre_attn_scalar=24,
-                                         layer_types=["sliding_attention", "full_attention"] * 2,
-                                         **common)
-    if kind == "gemma3-text":
-        return transformers.Gemma3ForCausalLM(text)
-    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                             num_attention_heads=2, image_size=32, patch_size=8)
-    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=TOKENS_PER_IMAGE,
-                                    image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI)
-    return transformers.Gemma3ForConditionalGeneration(cfg)
-
-
-def make_requests(rng, model: TransformersModel, *, images: bool, device, new_tokens: int = 4) -> list[Request]:
-    """Three requests joining at steps 0, 1 and 3; with images, the first holds two and the
-    third one (16 tokens each: longer than the sliding window)."""
-    reqs = []
-    for rid, (arrival, n_images) in enumerate([(0, 2), (1, 0), (3, 1)]):
-        parts = [rng.integers(0, BOI, int(rng.integers(3, 9))).tolist()]
-        for _ in range(n_images if images else 0):
-            parts += [[BOI] + [IMAGE] * TOKENS_PER_IMAGE + [EOI], rng.integers(0, BOI, int(rng.integers(2, 6))).tolist()]
-        prompt = sum(parts, [])
-        req = Request(rid=rid, arrival=arrival, prompt=prompt, new_tokens=new_tokens + rid)
-        if images and n_images:
-            req.ranges = model.image_ranges(prompt)
-            req.pixels = torch.randn(n_images, 3, 32, 32, generator=torch.Generator().manual_seed(int(rng.integers(1e9))))
-            req.features = model.image_features(req.pixels.to(device=device, dtype=model.hf.dtype))
-        reqs.append(req)
-    return reqs
-
-
-def reference_logits(hf, req: Request, device) -> torch.Tensor:
-    """transformers' own forward over the whole sequence (prompt + generated): [L, vocab]."""
-    ids = torch.tensor([req.prompt + req.generated[:-1]], device=device)
-    kwargs = {}
-    if getattr(req, "pixels", None) is not None:
-        kwargs = dict(pixel_values=req.pixels.to(device=device, dtype=hf.dtype), token_type_ids=(ids == IMAGE).long())
-    with torch.no_grad():
-        return hf(input_ids=ids, **kwargs).logits[0].float()
+from graphrt.serve import serve  # noqa: E402
 
 
 def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk: int = 12) -> float:
@@ -94,18 +35,7 @@ def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk
           on_step=lambda *_: modes.append(rt.last.mode))
     if capture:
         assert set(modes) == {"replay"}, f"steps ran {modes}"
-    hf.set_attn_implementation({k: "eager" for k in hf.config.sub_configs} | {"": "eager"}
-                               if hf.config.sub_configs else "eager")
-    worst = 0.0
-    for req in reqs:
-        want = reference_logits(hf, req, device)
-        scale = want.abs().max().item()
-        for pos, got in req.logits:
-            worst = max(worst, (got - want[pos]).abs().max().item() / scale)
-    return worst
-
-
-KINDS = ["llama", "mistral", "gemma2", "gemma3-text", "gemma3"]
+    return logit_error(hf, reqs, device)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -140,6 +70,36 @@ def test_adapter_matches_transformers_replayed(kind, dtype):
     worst = run_and_compare(kind, torch.device("cuda"), dtype, capture=True, seed=seed)
     print(f"{kind} {dtype}: worst logit error / max |logit| = {worst:.2e}")
     assert worst < (5e-2 if dtype == torch.bfloat16 else 1e-2), f"{kind}: off by {worst:.2e} (seed={seed})"
+
+
+@pytest.mark.gpu
+def test_adapter_steps_are_one_pinned_copy_and_no_sync():
+    """Gemma3 with images, every step a replay: the profiler sees one pinned host-to-device
+    copy per step, no pageable one, and no host sync inside any step (strict mode too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from graphrt.profiling import count_transfers
+
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    device = torch.device("cuda")
+    model = TransformersModel(tiny_model("gemma3", seed).to(device=device, dtype=torch.bfloat16).eval())
+    cfg = model.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=48, max_model_len=128,
+                               max_prefix_ranges=2)
+    rt = Runtime(cfg, model, num_layers=model.num_layers, device=device, strict=True)
+    rt.capture(decode_buckets=[1, 2, 4], mixed_buckets=[16, 48], quiet=True)
+    reqs = make_requests(rng, model, images=True, device=device)
+    never = torch.tensor([BOI, EOI, IMAGE], device=device)
+    modes = []
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        steps = serve(rt, reqs, chunk=12, free_blocks=rng.permutation(cfg.num_blocks).tolist(), never=never,
+                      on_step=lambda *_: modes.append(rt.last.mode))
+        torch.cuda.synchronize()
+    seen = count_transfers(prof, "graphrt_step")
+    assert set(modes) == {"replay"} and seen.regions == steps
+    assert seen.h2d_pinned == steps, f"{seen.h2d_pinned} pinned HtoD copies over {steps} steps"
+    assert seen.h2d_pageable == 0 and seen.syncs == 0, f"{seen.h2d_pageable} pageable copies, {seen.syncs} syncs"
 
 
 def test_dynamic_rope_is_refused():

@@ -1,0 +1,77 @@
+"""``graphrt demo --model KIND``: a tiny random-weight transformers model (one of
+``graphrt.integrations.tiny.KINDS``) served through the adapter: its own layers and
+weights, graphrt attention and paged cache, requests joining at different steps, chunked
+prefill that never cuts an image, and for "gemma3" two images whose vision-tower
+embeddings enter the steps through ``Runtime.step(embeds=, embed_rows=)``. Every sampled
+position's logits are checked against transformers' own forward over the whole sequence."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import torch
+
+
+def run_transformers_demo(*, kind: str, device: str, chunk: int, seed: int) -> int:
+    import transformers
+    from torch.profiler import ProfilerActivity, profile
+
+    from graphrt.integrations.tiny import BOI, EOI, IMAGE, logit_error, make_requests, tiny_model
+    from graphrt.integrations.transformers import TransformersModel
+    from graphrt.profiling import count_transfers
+    from graphrt.runtime import Runtime
+    from graphrt.serve import serve
+
+    on_gpu = device == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    rng = np.random.default_rng(seed)
+    hf = tiny_model(kind, seed).to(device=device, dtype=dtype).eval()
+    model = TransformersModel(hf)
+    cfg = model.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=max(chunk, 18) + 4,
+                               max_model_len=128, max_prefix_ranges=2)
+    rt = Runtime(cfg, model, num_layers=model.num_layers, device=device, strict=on_gpu)
+    text = model.text_config
+    layers = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    window = getattr(text, "sliding_window", None)
+    print(f"graphrt demo --model {kind}: transformers {transformers.__version__} {type(hf).__name__}, "
+          f"{text.num_hidden_layers} layers ({', '.join(sorted(set(layers)))}), heads "
+          f"{cfg.num_q_heads}/{cfg.num_kv_heads}, head_dim {cfg.head_dim}, {dtype}, on {device}")
+    print(f"  attention settings from the model: sliding window {window}, "
+          f"scale {getattr(text, 'query_pre_attn_scalar', cfg.head_dim)}^-1/2, "
+          f"logit soft-cap {getattr(text, 'attn_logit_softcapping', None)}, "
+          f"final soft-cap {getattr(text, 'final_logit_softcapping', None)}; image ranges: "
+          f"window_rule={model.mask.window_rule!r}, on global layers: {model.mask.global_ranges}")
+    if on_gpu:
+        t0 = time.perf_counter()
+        graphs = rt.capture(quiet=True)
+        print(f"  {len(graphs)} graphs captured in {time.perf_counter() - t0:.1f} s")
+    reqs = make_requests(rng, model, images=kind == "gemma3", device=device)
+    never = torch.tensor([BOI, EOI, IMAGE], device=device)
+    buckets: dict[str, int] = {}
+
+    def show(step_no, step, owners):
+        label = str(rt.last.bucket) if rt.last.bucket else "eager"
+        buckets[label] = buckets.get(label, 0) + 1
+        kinds = "".join("P" if q > 1 else "D" for q in step.q_lens)
+        print(f"  step {step_no:3d}: {step.num_seqs} seqs [{kinds}] {step.num_tokens:3d} tokens -> {label}")
+
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if on_gpu else contextlib.nullcontext()
+    with profiler as prof:
+        steps = serve(rt, reqs, chunk=chunk, free_blocks=rng.permutation(cfg.num_blocks).tolist(), never=never,
+                      on_step=show)
+    worst = logit_error(hf, reqs, device)
+    tol = 5e-2 if on_gpu else 1e-4
+    print(f"done: {steps} steps; buckets {', '.join(f'{k} x{v}' for k, v in sorted(buckets.items()))}")
+    ok = worst < tol
+    if on_gpu:
+        seen = count_transfers(prof, "graphrt_step")
+        print(f"  H2D copies: {seen.h2d_pinned} pinned, {seen.h2d_pageable} pageable over {steps} steps; "
+              f"host syncs inside rt.step: {seen.syncs}")
+        ok = ok and seen.h2d_pinned == steps and seen.h2d_pageable == 0 and seen.syncs == 0
+    print(f"  logits vs transformers' own forward, worst error / max |logit|: {worst:.2e} "
+          f"({'ok' if worst < tol else 'TOO LARGE'}, tolerance {tol:g})")
+    for r in reqs:
+        print(f"  request {r.rid}: prompt {len(r.prompt)} tokens, images at {r.ranges}, generated {r.generated}")
+    return 0 if ok else 1
