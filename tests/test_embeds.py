@@ -98,12 +98,13 @@ def test_embeds_are_checked_before_anything_is_written(device):
         plain.step(step, ids, embeds=e, embed_rows=[0, 1])
 
 
-def test_selector_travels_in_the_pinned_copy():
+def test_selector_travels_in_the_pinned_copy(device):
     """The selector is part of the arena's copied prefix; a step without embeddings resets it."""
     cfg = embed_cfg()
-    rt = Runtime(cfg, ToyModel(cfg, num_layers=1, hidden=HIDDEN, vocab=50), num_layers=1, device="cpu")
+    rt = Runtime(cfg, ToyModel(cfg, num_layers=1, hidden=HIDDEN, vocab=50, device=device), num_layers=1,
+                 device=device)
     step = Step([SeqStep(q_len=3, context_len=0, block_ids=[1]), SeqStep(q_len=2, context_len=5, block_ids=[2])])
-    rt.step(step, [1, 2, 3, 4, 5], embeds=torch.randn(2, HIDDEN), embed_rows=np.array([4, 1]))
+    rt.step(step, [1, 2, 3, 4, 5], embeds=torch.randn(2, HIDDEN, device=device), embed_rows=np.array([4, 1]))
     layout = rt.buffers.layout(step.num_seqs, step.num_tokens)
     views = rt.buffers.device_views(layout)
     assert views.embed_index.tolist() == [-1, 1, -1, -1, 0]
