@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from graphrt.config import RuntimeConfig
+from graphrt.serve import next_chunk
 from graphrt.step import SeqStep, Step
 
 
@@ -40,14 +41,7 @@ class Request:
     def next_chunk(self, budget: int) -> int:
         """Prompt tokens to prefill now (0 when decoding): at most ``budget``, never
         ending inside the image."""
-        left = len(self.prompt) - self.cached
-        if left <= 0:
-            return 0
-        n = min(left, budget)
-        start, end = self.image
-        if start < self.cached + n < end:      # would split the image: stop before it, or take it whole
-            n = start - self.cached if start > self.cached else end - self.cached
-        return n
+        return next_chunk(self.cached, budget, len(self.prompt), [self.image])
 
 
 def _make_requests(rng: np.random.Generator, n: int, prompt_len: tuple[int, int], image_len: int, vocab: int,
