@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from graphrt.kernels._checks import check_head_dim
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -40,6 +42,7 @@ class RuntimeConfig:
         if isinstance(self.max_prefix_ranges, bool) or not isinstance(self.max_prefix_ranges, int) \
                 or not 0 <= self.max_prefix_ranges <= 64:
             raise ValueError(f"RuntimeConfig.max_prefix_ranges must be an int in [0, 64], got {self.max_prefix_ranges!r}")
+        check_head_dim(self.head_dim, "RuntimeConfig.head_dim")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"RuntimeConfig.num_q_heads ({self.num_q_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")

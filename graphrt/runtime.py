@@ -64,8 +64,11 @@ class StepContext:
                   window: int | None = None, window_rule: str = "clip", ranges: bool = True,
                   softcap: float | None = None) -> torch.Tensor:
         """Write k, v ([T, Hkv, D]) into layer's cache, then attend q ([T, Hq, D]) over it.
-        Returns [T, Hq, D]; rows past the step's tokens are unspecified."""
+        Returns [T, Hq, D]; rows past the step's tokens are unspecified. Checked here (at
+        capture, or per call when eager; a replay runs none of this): layer in
+        [0, num_layers), q/k/v of the runtime's dtype, device and shapes with T rows."""
         rt = self._rt
+        self._check_attention_inputs(layer, q, k, v)
         k_cache, v_cache = rt.k_caches[layer], rt.v_caches[layer]
         out = torch.empty_like(q)
         opts = dict(scale=scale, window=window, window_rule=window_rule, ranges=ranges, softcap=softcap,
@@ -75,6 +78,27 @@ class StepContext:
             return attention_op(q, k_cache, v_cache, out, self.meta, workspace=self._workspace, **opts)
         write_kv(k, v, k_cache, v_cache, self.meta)
         return paged_attention(q, k_cache, v_cache, out, self.meta, workspace=self._workspace, **opts)
+
+    def _check_attention_inputs(self, layer: Any, q: Any, k: Any, v: Any) -> None:
+        rt, cfg = self._rt, self._rt.cfg
+        num_layers = len(rt.k_caches)
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer must be in [0, {num_layers}) (the runtime's num_layers; negative indices are "
+                             f"not taken), got {layer}")
+        for name, t, heads in (("q", q, cfg.num_q_heads), ("k", k, cfg.num_kv_heads), ("v", v, cfg.num_kv_heads)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != cfg.dtype:
+                raise TypeError(f"{name} is {t.dtype}, the runtime's KV cache {cfg.dtype} (RuntimeConfig.dtype): "
+                                f"cast {name} first")
+            if t.device != rt.device:
+                raise ValueError(f"{name} is on {t.device}, the runtime on {rt.device}")
+            want = (self.num_tokens, heads, cfg.head_dim)
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} must be [{want[0]}, {want[1]}, {want[2]}] (the bucket's token capacity "
+                                 f"ctx.num_tokens, heads, head_dim), got {tuple(t.shape)}")
 
 
 @dataclass

@@ -51,7 +51,7 @@ class Step:
     """
 
     __slots__ = ("q_lens", "context_lens", "block_table", "block_counts", "ranges", "range_counts",
-                 "num_tokens", "seq_lens", "is_decode", "block_columns")
+                 "num_tokens", "seq_lens", "is_decode", "block_columns", "_decode_slots")
 
     def __init__(self, seqs: Sequence[SeqStep]):
         seqs = tuple(seqs)
@@ -111,6 +111,7 @@ class Step:
         # block-table columns in use (what the runtime copies); validate() narrows it when
         # from_arrays left the counts to be derived
         self.block_columns = int(block_counts.max(initial=0)) if block_counts is not None else block_table.shape[1]
+        self._decode_slots: tuple[int, np.ndarray] | None = None   # (block_size, [n] slots), set by validate
 
     @property
     def num_seqs(self) -> int:
@@ -127,7 +128,43 @@ class Step:
         ok = self._checks_small(cfg) if n <= _SMALL_STEP else self._checks_numpy(cfg)
         if not ok:
             self._diagnose(cfg)     # raises, unless the fast checks were only conservative
+        self._check_written_blocks(cfg.block_size)
         self.block_columns = int(self.block_counts.max())
+
+    def _check_written_blocks(self, block_size: int) -> None:
+        """Raise ValueError unless the cache blocks that this step's new tokens write are all
+        distinct. A block written by two of them (a block listed twice, or two sequences
+        writing into one block) would have one token's K/V overwrite another's, or a
+        sequence's context, whatever the offsets. Blocks only read (a shared prefix) may
+        appear in any number of sequences; they are not looked at here."""
+        n, table = self.num_seqs, self.block_table
+        if self.is_decode:              # one block each: the one holding position context_len
+            owner, cols = np.arange(n), self.context_lens // block_size
+            blocks = table[owner, cols]
+            self._decode_slots = (block_size, blocks * block_size + self.context_lens % block_size)   # for pack
+            if n == 1:
+                return
+        else:
+            first = self.context_lens // block_size
+            counts = (self.seq_lens - 1) // block_size - first + 1
+            owner = np.repeat(np.arange(n), counts)
+            cols = np.arange(owner.shape[0]) - np.repeat(np.cumsum(counts) - counts - first, counts)
+            blocks = table[owner, cols]
+        if blocks.shape[0] <= _SMALL_STEP:
+            if len(set(blocks.tolist())) == blocks.shape[0]:
+                return
+        else:
+            if np.diff(np.sort(blocks)).all():       # sorted: a zero step is a repeat
+                return
+        order = np.argsort(blocks, kind="stable")
+        k = int(np.flatnonzero(blocks[order][1:] == blocks[order][:-1])[0])
+        a, b = order[k], order[k + 1]
+        i, j = int(owner[a]), int(owner[b])
+        where = (f"seq {i} lists it twice (block_ids[{cols[a]}] and [{cols[b]}])" if i == j else
+                 f"seqs {i} (block_ids[{cols[a]}]) and {j} (block_ids[{cols[b]}]) both write into it")
+        raise ValueError(f"block {blocks[a]} would be written twice by this step's new tokens: {where}. Each new "
+                         f"token needs a cache slot of its own; a block may be shared only for reading (a common "
+                         f"prefix: copy a partly filled shared block before writing into it)")
 
     def _checks_numpy(self, cfg: RuntimeConfig) -> bool:
         """Every limit at once, as array reductions (cheapest for many sequences)."""
@@ -213,11 +250,15 @@ class Step:
         r = min(self.ranges.shape[1], prefix_ranges.shape[1])      # slots past the counts are empty
         prefix_ranges[:n, :r] = self.ranges[:, :r]
         if self.is_decode:
-            tok_seq, pos = np.arange(n), self.context_lens
+            pos = self.context_lens
+            if self._decode_slots is not None and self._decode_slots[0] == block_size:
+                slot_mapping[:total] = self._decode_slots[1]          # computed by validate
+            else:
+                slot_mapping[:total] = self.block_table[np.arange(n), pos // block_size] * block_size + pos % block_size
         else:
             tok_seq = np.repeat(np.arange(n), self.q_lens)                        # [total]
             pos = self.context_lens[tok_seq] + np.arange(total) - qsl[tok_seq]
-        slot_mapping[:total] = self.block_table[tok_seq, pos // block_size] * block_size + pos % block_size
+            slot_mapping[:total] = self.block_table[tok_seq, pos // block_size] * block_size + pos % block_size
         slot_mapping[total:] = -1
         if positions is not None:
             positions[:total] = pos

@@ -36,3 +36,22 @@ def check_runnable(device: torch.device) -> None:
                            "TRITON_INTERPRET=1 before triton is first imported")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"graphrt kernels run on cuda (or cpu through the interpreter), got {device}")
+
+
+def check_same_dtype(q: torch.Tensor, **others: object) -> None:
+    """Each of ``others`` (tensors) has q's dtype; the message names both."""
+    for name, t in others.items():
+        if isinstance(t, torch.Tensor) and t.dtype != q.dtype:
+            raise TypeError(f"{name} is {t.dtype} but q is {q.dtype}: q, {', '.join(others)} share one dtype")
+
+
+# head_dim the attention kernel compiles for on the GPU: ``tl.dot`` needs the padded head
+# dimension (next power of two) to be at least 16, and past 256 the K/V tiles of the
+# decode configuration no longer fit in shared memory.
+MIN_HEAD_DIM, MAX_HEAD_DIM = 9, 256
+
+
+def check_head_dim(head_dim: object, name: str = "head_dim") -> None:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{name} must be an int in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (what the attention kernel "
+                         f"compiles for), got {head_dim!r}")

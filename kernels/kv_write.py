@@ -1,4 +1,6 @@
-"""KV-cache write: the step's new K/V rows into their cache slots (slot -1 = skip)."""
+"""KV-cache write: the step's new K/V rows into their cache slots (slot -1 = skip; so is any
+slot outside the cache, checked on the device, so that hand-built metadata cannot write
+past the cache)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,14 @@ def _write_kv_kernel(
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_kc_blk, stride_kc_tok, stride_kc_head,
     stride_vc_blk, stride_vc_tok, stride_vc_head,
+    num_slots,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
 ):
     i_tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + i_tok)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):
         return
     i_blk = slot // KV_BLOCK_SIZE
     i_off = slot % KV_BLOCK_SIZE
@@ -42,11 +45,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              meta: AttentionMetadata | torch.Tensor) -> None:
     """Copy new K/V rows into the paged cache in place.
 
-    k, v:    [T, Hkv, D] (T <= the metadata's token capacity; rows past the step's tokens
-             must have slot -1).
+    k, v:    [T, Hkv, D], T = the metadata's token capacity (one row per token slot; rows
+             past the step's tokens have slot -1).
     k_cache, v_cache: [num_blocks, block_size, Hkv, D], same dtype as k.
-    meta:    AttentionMetadata, or its ``slot_mapping`` alone: [>= T] int64, a cache slot
-             (block * block_size + offset) per token, -1 to skip the token.
+    meta:    AttentionMetadata, or its ``slot_mapping`` alone: [T] int64, a cache slot
+             (block * block_size + offset) per token, -1 to skip the token. Slots past the
+             cache are skipped too (checked on the device: no host read).
     """
     slot_mapping = meta.slot_mapping if isinstance(meta, AttentionMetadata) else meta
     check_tensor("slot_mapping", slot_mapping, dim=1, dtypes=(torch.int64,))
@@ -54,15 +58,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check_runnable(device)
     check_tensor("k", k, dim=3, device=device)
     check_tensor("v", v, dim=3, dtypes=(k.dtype,), device=device)
-    check_tensor("k_cache", k_cache, dim=4, dtypes=(k.dtype,), device=device)
-    check_tensor("v_cache", v_cache, dim=4, dtypes=(k.dtype,), device=device)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if isinstance(t, torch.Tensor) and t.dtype != k.dtype:
+            raise TypeError(f"{name} is {t.dtype} but k is {k.dtype}: k, v and the caches share one dtype")
+    check_tensor("k_cache", k_cache, dim=4, device=device)
+    check_tensor("v_cache", v_cache, dim=4, device=device)
     check_shape("v", v, k.shape)
     check_shape("v_cache", v_cache, k_cache.shape)
     num_tokens, num_kv_heads, head_dim = k.shape
     if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
         raise ValueError(f"k_cache heads/head_dim {tuple(k_cache.shape[2:])} != k's {(num_kv_heads, head_dim)}")
-    if slot_mapping.shape[0] < num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries, k has {num_tokens} tokens")
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"k has {num_tokens} rows, slot_mapping {slot_mapping.shape[0]} entries (the metadata's "
+                         f"token slots): k and v need one row per token slot")
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
@@ -70,6 +78,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.shape[0] * k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         KV_BLOCK_SIZE=k_cache.shape[1],

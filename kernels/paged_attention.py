@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_runnable, check_shape, check_tensor
+from ._checks import (check_head_dim, check_runnable, check_same_dtype, check_shape,
+                      check_tensor)
 from .metadata import AttentionMetadata
 
 # How a sliding window and prefix ranges combine (see the module doc). The names say what
@@ -46,6 +47,10 @@ WINDOW_RULE_ALIASES = {"gemma3": "clip", "gemma4": "clip"}
 RULE_CLIP: tl.constexpr = tl.constexpr(0)
 RULE_TWO_SIDED: tl.constexpr = tl.constexpr(1)
 RULE_RANGES_UNCLIPPED: tl.constexpr = tl.constexpr(2)
+# scale and softcap must lie in this range: the kernel works in fp32, where the factors it
+# derives from them (scale * log2(e) / softcap, softcap * log2(e)) stay finite and normal
+# for any logits a model produces; real models use 0.01..100.
+SCALAR_RANGE = (1e-6, 1e6)
 # Windows at least this wide are clamped to it: the same mask for any sequence shorter than
 # 2**30 tokens, and position arithmetic (q + window) stays inside int32.
 MAX_WINDOW = 1 << 30
@@ -64,7 +69,7 @@ def window_rule_id(window_rule: str) -> int:
 def _attend_key_tile(
     acc, l_i, m_i, kt,
     b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-    p_bt, stride_bt_blk, k_head_ptr, v_head_ptr,
+    p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
     o_d, m_d,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -80,6 +85,9 @@ def _attend_key_tile(
         i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0).to(tl.int64)
     else:
         i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk).to(tl.int64)
+    # A block id outside the cache (hand-built metadata) reads the last block instead of
+    # past the cache: garbage in, but never an out-of-bounds access.
+    i_blk = tl.minimum(tl.maximum(i_blk, 0), last_blk)
     i_off = k_pos % KV_BLOCK_SIZE
     # K as [HEAD_DIM_PAD, BLOCK_N], V as [BLOCK_N, HEAD_DIM_PAD]
     p_k = k_head_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok)[None, :] + o_d[:, None]
@@ -94,8 +102,8 @@ def _attend_key_tile(
         b_k = tl.load(p_k, mask=m_d[:, None], other=0.0)
         b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
 
-    if IEEE_DOT:
-        b_s = tl.dot(b_q, b_k, input_precision="ieee")
+    if IEEE_DOT:     # fp32 operands, full-precision products (fp32 caches; bf16 in the interpreter)
+        b_s = tl.dot(b_q.to(tl.float32), b_k.to(tl.float32), input_precision="ieee")
     else:
         b_s = tl.dot(b_q, b_k)
     if USE_SOFTCAP:
@@ -140,7 +148,8 @@ def _attend_key_tile(
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(b_p, axis=1)
     if IEEE_DOT:
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32),
+                                            input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
     m_i = m_new
@@ -151,7 +160,7 @@ def _attend_key_tile(
 def _attend_span(
     acc, l_i, m_i, a_start, a_count, b_start, b_count,
     b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-    p_bt, stride_bt_blk, k_head_ptr, v_head_ptr,
+    p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
     o_d, m_d,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -166,13 +175,13 @@ def _attend_span(
             kt = tl.where(j < a_count, a_start + j, b_start + (j - a_count))
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-                p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
                 o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, True)
     else:
         for kt in range(a_start, a_start + a_count):
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-                p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
                 o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, False)
     return acc, l_i, m_i
 
@@ -181,7 +190,7 @@ def _attend_span(
 def _attend_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     prefix_ranges_ptr, block_table_ptr,
-    i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len,
+    i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -209,12 +218,15 @@ def _attend_tile(
     o_head = o_m % QPK_PAD
     o_d = tl.arange(0, HEAD_DIM_PAD)
     m_d = o_d < HEAD_DIM
-    m_row = (o_tok < q_len) & (o_head < QPK)
+    # rows of this tile's tokens; also inside q/out (0 <= row < num_q_rows) whatever the
+    # metadata says, so hand-built metadata cannot make the kernel write past out
+    o_row = q_start + o_tok
+    m_row = (o_tok < q_len) & (o_head < QPK) & (o_row >= 0) & (o_row < num_q_rows)
     q_pos = ctx_len + o_tok                               # [BLOCK_M] absolute positions
     i_qh = i_kvh * QPK + o_head                           # [BLOCK_M] query heads
 
     # [BLOCK_M, HEAD_DIM_PAD]
-    p_q = q_ptr + (q_start + o_tok).to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
+    p_q = q_ptr + o_row.to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
 
     # The prefix range holding each query row ([0, 0) when none): ranges never overlap.
@@ -244,11 +256,11 @@ def _attend_tile(
         full_lo = tl.maximum(last_pos - window + 1, 0)
         if USE_RANGES and WINDOW_RULE == RULE_RANGES_UNCLIPPED:
             in_range = m_row & (r_end > r_start)
-            k_lo = tl.minimum(k_lo, tl.min(tl.where(in_range, r_start, k_lo), axis=0))
+            k_lo = tl.maximum(tl.minimum(k_lo, tl.min(tl.where(in_range, r_start, k_lo), axis=0)), 0)
         if USE_RANGES and WINDOW_RULE == RULE_TWO_SIDED:
             k_hi = tl.minimum(k_hi.to(tl.int64), last_pos.to(tl.int64) + window).to(tl.int32)
     kt_lo = k_lo // BLOCK_N
-    kt_hi = tl.cdiv(k_hi, BLOCK_N)
+    kt_hi = tl.maximum(tl.cdiv(k_hi, BLOCK_N), kt_lo)      # no tiles (not fewer than none) for garbage metadata
     # Tiles every row sees in full: keys <= first_pos (causal for all rows) and, with a
     # window, >= last_pos - window + 1 (inside every row's window). They skip the mask.
     ft_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), kt_lo), kt_hi)
@@ -273,18 +285,18 @@ def _attend_tile(
     acc, l_i, m_i = _attend_span(
         acc, l_i, m_i, st_lo, tl.maximum(lo_end - st_lo, 0), hi_start, tl.maximum(st_hi - hi_start, 0),
         b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-        p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+        p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
         o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, True)
     full_start = tl.maximum(ft_lo, st_lo)
     acc, l_i, m_i = _attend_span(
         acc, l_i, m_i, full_start, tl.maximum(tl.minimum(ft_hi, st_hi) - full_start, 0), 0, 0,
         b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-        p_bt, stride_bt_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+        p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
         o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, False)
 
     has_keys = l_i > 0.0
     b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    o_tok_abs = (q_start + o_tok).to(tl.int64)
+    o_tok_abs = o_row.to(tl.int64)
     m_out = m_row[:, None] & m_d[None, :]
     p_out = out_ptr + o_tok_abs[:, None] * stride_o_tok + i_qh[:, None] * stride_o_head + o_d[None, :]
     if NUM_SPLITS == 1:
@@ -309,7 +321,7 @@ def _attn_kernel(
     stride_po_tok, stride_po_head, stride_po_split,
     stride_pl_tok, stride_pl_head,
     scale_log2e, softcap, window,
-    max_num_seqs,
+    max_num_seqs, num_q_rows, num_blocks, max_blocks_per_seq,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     QPK: tl.constexpr, QPK_PAD: tl.constexpr,
@@ -337,13 +349,16 @@ def _attn_kernel(
             lo = mid + 1
         else:
             hi = mid
-    i_seq = lo - 1
+    i_seq = tl.maximum(lo - 1, 0)       # -1 only when query_start_loc[0] > 0 (hand-built)
     q_start = tl.load(query_start_loc_ptr + i_seq)
     q_len = tl.load(query_start_loc_ptr + i_seq + 1) - q_start
     i_qblk = i_tile - (q_start // BLOCK_Q + i_seq)
-    if i_qblk * BLOCK_Q >= q_len:
+    if (i_qblk < 0) | (i_qblk * BLOCK_Q >= q_len):
         return
-    seq_len = tl.load(seq_lens_ptr + i_seq)
+    # keys past the block table's columns have no block: a longer seq_len (hand-built
+    # metadata) is cut there rather than read past the table, a negative one taken as 0
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + i_seq), 0), max_blocks_per_seq * KV_BLOCK_SIZE)
+    last_blk = num_blocks - 1
 
     if SHORT_Q > 0 and q_len <= SHORT_Q:
         # A decode (or short chunk) inside a launch tiled for prefills: a tile of SHORT_Q
@@ -351,7 +366,7 @@ def _attn_kernel(
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr,
-            i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len,
+            i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
@@ -362,7 +377,7 @@ def _attn_kernel(
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr,
-            i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len,
+            i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
@@ -486,13 +501,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
              tokens must already be in the cache (see ``write_kv``).
     out:     [T, Hq, D], same dtype as q. Rows of tokens past the step's count are untouched.
     meta:    the step's AttentionMetadata on the same device.
-    scale:   logit scale, default 1/sqrt(D). window: keys with ``q - k < window`` (None: off;
+    scale:   logit scale in [1e-6, 1e6], default 1/sqrt(D). window: keys with ``q - k < window`` (None: off;
              windows wider than 2**30 act as 2**30).
     window_rule: how a window and prefix ranges combine: "clip" (default), "two_sided" or
              "ranges_unclipped"; aliases "gemma3", "gemma4" (module doc).
     ranges:  False ignores the prefix ranges in this call (plain causal attention, as the
              global layers of some models use).
-    softcap: ``softcap * tanh(logit / softcap)`` when set.
+    softcap: ``softcap * tanh(logit / softcap)`` when set, in [1e-6, 1e6].
     num_splits: split-KV factor (1 = off). workspace: ``split_workspace(...)`` buffers, made
              here when None (pass them when capturing, so the graph owns fixed buffers).
     max_query_len: a capacity hint (1 for decode-only launches) that picks the tile shape.
@@ -501,28 +516,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     device = meta.device
     check_runnable(device)
     check_tensor("q", q, dim=3, device=device)
-    check_tensor("k_cache", k_cache, dim=4, dtypes=(q.dtype,), device=device)
-    check_tensor("v_cache", v_cache, dim=4, dtypes=(q.dtype,), device=device)
-    check_tensor("out", out, dim=3, dtypes=(q.dtype,), device=device)
+    check_same_dtype(q, k_cache=k_cache, v_cache=v_cache, out=out)
+    check_tensor("k_cache", k_cache, dim=4, device=device)
+    check_tensor("v_cache", v_cache, dim=4, device=device)
+    check_tensor("out", out, dim=3, device=device)
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     check_shape("v_cache", v_cache, k_cache.shape)
     check_shape("out", out, q.shape)
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    check_head_dim(head_dim, "q.shape[2] (head_dim)")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"q heads ({num_q_heads}) must be a multiple of k_cache heads ({num_kv_heads})")
-    if num_tokens > meta.max_num_tokens:
-        raise ValueError(f"q has {num_tokens} tokens, more than meta.slot_mapping's capacity {meta.max_num_tokens}")
+    if num_tokens != meta.max_num_tokens:
+        raise ValueError(f"q has {num_tokens} rows, the metadata {meta.max_num_tokens} token slots (the length of "
+                         f"meta.slot_mapping): q and out need one row per token slot")
     rule = window_rule_id(window_rule)
     if not isinstance(ranges, bool):
         raise TypeError(f"ranges must be a bool, got {type(ranges).__name__}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
-    if softcap is not None and not (_is_real(softcap) and 0 < softcap < math.inf):
-        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
-    if scale is not None and not (_is_real(scale) and 0 < scale < math.inf):
-        raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
+    lo, hi = SCALAR_RANGE
+    if softcap is not None and not (_is_real(softcap) and lo <= softcap <= hi):
+        raise ValueError(f"softcap must be a number in [{lo:g}, {hi:g}] or None, got {softcap!r}")
+    if scale is not None and not (_is_real(scale) and lo <= scale <= hi):
+        raise ValueError(f"scale must be a number in [{lo:g}, {hi:g}] or None, got {scale!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= 64:
         raise ValueError(f"num_splits must be an int in [1, 64], got {num_splits!r}")
     if scale is None:
@@ -567,14 +586,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o.stride(0), part_o.stride(1), part_o.stride(2) if num_splits > 1 else 0,
         part_lse.stride(0), part_lse.stride(1),
         float(scale) * 1.4426950408889634, float(softcap or 1.0), min(window or 0, MAX_WINDOW),
-        max_num_seqs,
+        max_num_seqs, num_tokens, num_blocks, meta.block_table.shape[1],
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=block_size,
         QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         SHORT_Q=short_q if short_block_n else 0, SHORT_BLOCK_N=short_block_n,
         MAX_RANGES=meta.max_prefix_ranges,
         USE_WINDOW=window is not None, WINDOW_RULE=rule, USE_RANGES=ranges and meta.max_prefix_ranges > 0,
         USE_SOFTCAP=softcap is not None,
-        NUM_SPLITS=num_splits, IEEE_DOT=q.dtype == torch.float32,
+        # bf16 dots are wrong under the interpreter: there they run in fp32 too
+        NUM_SPLITS=num_splits, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:

@@ -94,7 +94,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """In-place cache write with the same contract as ``graphrt.kernels.write_kv``."""
     block_size = k_cache.shape[1]
     slots = slot_mapping[: k.shape[0]].to(k_cache.device).long()
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < k_cache.shape[0] * block_size)     # outside the cache: skipped
     blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
     k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)

@@ -28,8 +28,10 @@ def _call(setup, **change):
 
 @pytest.mark.parametrize("change,err,match", [
     (lambda s: dict(q=s["q"].long()), TypeError, r"^q must have dtype"),
-    (lambda s: dict(k_cache=s["k_cache"].half()), TypeError, r"^k_cache must have dtype"),
-    (lambda s: dict(out=s["out"].half()), TypeError, r"^out must have dtype"),
+    (lambda s: dict(k_cache=s["k_cache"].half()), TypeError, r"^k_cache is torch.float16 but q is torch.float32"),
+    (lambda s: dict(out=s["out"].half()), TypeError, r"^out is torch.float16 but q is torch.float32"),
+    (lambda s: dict(q=s["q"].half(), out=s["out"].half()), TypeError,
+     r"^k_cache is torch.float32 but q is torch.float16"),
     (lambda s: dict(q=s["q"][0]), ValueError, r"^q must have 3 dims"),
     (lambda s: dict(v_cache=s["v_cache"][:2]), ValueError, r"^v_cache must have shape"),
     (lambda s: dict(out=s["out"][:3]), ValueError, r"^out must have shape"),
@@ -38,17 +40,38 @@ def _call(setup, **change):
      r"multiple of k_cache heads"),
     (lambda s: dict(k_cache=s["k_cache"][..., :32], v_cache=s["v_cache"][..., :32]), ValueError, r"k_cache head_dim"),
     (lambda s: dict(q=torch.randn(7, 4, 64, device=s["q"].device), out=torch.empty(7, 4, 64, device=s["q"].device)),
-     ValueError, r"q has 7 tokens, more than"),
+     ValueError, r"^q has 7 rows, the metadata 6 token slots"),
+    (lambda s: dict(q=s["q"][:5], out=s["out"][:5]), ValueError, r"^q has 5 rows, the metadata 6 token slots"),
+    (lambda s: dict(q=torch.randn(6, 4, 8, device=s["q"].device), out=torch.empty(6, 4, 8, device=s["q"].device),
+                    k_cache=s["k_cache"][..., :8], v_cache=s["v_cache"][..., :8]),
+     ValueError, r"^q.shape\[2\] \(head_dim\) must be an int in \[9, 256\]"),
+    (lambda s: dict(q=torch.randn(6, 4, 320, device=s["q"].device), out=torch.empty(6, 4, 320, device=s["q"].device),
+                    k_cache=torch.randn(4, 16, 2, 320, device=s["q"].device),
+                    v_cache=torch.randn(4, 16, 2, 320, device=s["q"].device)),
+     ValueError, r"^q.shape\[2\] \(head_dim\) must be an int in \[9, 256\]"),
     (lambda s: dict(window_rule="gemma2"), ValueError, r"^window_rule must be one of"),
     (lambda s: dict(ranges=1), TypeError, r"^ranges must be a bool"),
     (lambda s: dict(window=0), ValueError, r"^window must be a positive int"),
     (lambda s: dict(window=8.0), ValueError, r"^window must be a positive int"),
-    (lambda s: dict(softcap=0.0), ValueError, r"^softcap must be a finite number > 0"),
+    (lambda s: dict(window=True), ValueError, r"^window must be a positive int"),
+    (lambda s: dict(softcap=0.0), ValueError, r"^softcap must be a number in \[1e-06, 1e\+06\]"),
+    (lambda s: dict(softcap=float("inf")), ValueError, r"^softcap must be a number in \[1e-06, 1e\+06\]"),
+    (lambda s: dict(softcap=float("nan")), ValueError, r"^softcap must be a number in \[1e-06, 1e\+06\]"),
+    (lambda s: dict(softcap=True), ValueError, r"^softcap must be a number in \[1e-06, 1e\+06\]"),
+    (lambda s: dict(scale=float("nan")), ValueError, r"^scale must be a number in \[1e-06, 1e\+06\]"),
+    (lambda s: dict(scale=float("inf")), ValueError, r"^scale must be a number in \[1e-06, 1e\+06\]"),
+    (lambda s: dict(scale=-0.1), ValueError, r"^scale must be a number in \[1e-06, 1e\+06\]"),
+    (lambda s: dict(scale=1e-300), ValueError, r"^scale must be a number in \[1e-06, 1e\+06\]"),
+    (lambda s: dict(softcap=1e30), ValueError, r"^softcap must be a number in \[1e-06, 1e\+06\]"),
     (lambda s: dict(num_splits=0), ValueError, r"^num_splits must be an int in \[1, 64\]"),
+    (lambda s: dict(num_splits=True), ValueError, r"^num_splits must be an int in \[1, 64\]"),
     (lambda s: dict(num_splits=2, workspace=split_workspace(6, 4, 64, 3, s["q"].device)), ValueError,
      r"^workspace\[0\] must be"),
-], ids=["q-int", "cache-dtype", "out-dtype", "q-dims", "v-shape", "out-shape", "q-strided", "heads", "head-dim",
-        "tokens-over-capacity", "window-rule", "ranges-int", "window-0", "window-float", "softcap", "splits", "workspace"])
+], ids=["q-int", "cache-dtype", "out-dtype", "q-fp16-caches-fp32", "q-dims", "v-shape", "out-shape", "q-strided",
+        "heads", "head-dim", "q-rows-over-capacity", "q-rows-under-capacity", "head-dim-8", "head-dim-320",
+        "window-rule", "ranges-int", "window-0", "window-float", "window-bool", "softcap-0", "softcap-inf",
+        "softcap-nan", "softcap-bool", "scale-nan", "scale-inf", "scale-negative", "scale-tiny", "softcap-1e30", "splits-0", "splits-bool",
+        "workspace"])
 def test_paged_attention_rejects(setup, change, err, match):
     out_before = setup["out"].clone()
     with pytest.raises(err, match=match):
@@ -77,11 +100,15 @@ def test_write_kv_rejects(setup):
     before = cache.clone()
     with pytest.raises(TypeError, match=r"^v must have dtype"):
         write_kv(k, k.half(), cache, cache, setup["meta"])
+    with pytest.raises(TypeError, match=r"^k_cache is torch.float32 but k is torch.float16"):
+        write_kv(k.half(), k.half(), cache, cache, setup["meta"])
     with pytest.raises(ValueError, match=r"^k_cache heads/head_dim"):
         write_kv(k[:, :1], k[:, :1], cache, cache, setup["meta"])
-    with pytest.raises(ValueError, match=r"^slot_mapping has 6 entries, k has 7 tokens"):
+    with pytest.raises(ValueError, match=r"^k has 7 rows, slot_mapping 6 entries"):
         write_kv(torch.randn(7, 2, 64, device=k.device), torch.randn(7, 2, 64, device=k.device), cache, cache,
                  setup["meta"])
+    with pytest.raises(ValueError, match=r"^k has 4 rows, slot_mapping 6 entries"):
+        write_kv(k[:4], k[:4], cache, cache, setup["meta"])
     with pytest.raises(TypeError, match=r"^slot_mapping must have dtype"):
         write_kv(k, k, cache, cache, setup["meta"].slot_mapping.int())
     assert torch.equal(cache, before), "cache was touched by a rejected call"

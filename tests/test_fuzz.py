@@ -77,7 +77,8 @@ BREAKS = {
 
 @settings(max_examples=40, **SETTINGS)
 @given(shapes=seq_shapes(), perm=st.permutations(range(CFG.num_blocks)), breaking=st.sampled_from(sorted(BREAKS)),
-       other=st.sampled_from(["block id high", "too few blocks", "ids float", "ids short", "none"]))
+       other=st.sampled_from(["block id high", "too few blocks", "block written twice", "ids float", "ids short",
+                              "none"]))
 def test_invalid_steps_change_nothing(shapes, perm, breaking, other, device):
     rt, _ = runtime(device)
     good = make_step(shapes, perm)
@@ -96,6 +97,13 @@ def test_invalid_steps_change_nothing(shapes, perm, breaking, other, device):
             blocks = []
         if blocks is not None:
             bad = Step([SeqStep(q_len=q, context_len=c, block_ids=blocks, prefix_ranges=r) for q, c, r in shapes])
+        if other == "block written twice":          # a second sequence writes into seq 0's block
+            q0, c0, _ = shapes[0]
+            shared = bad.block_table[0, c0 // 16]
+            bad = Step([*[SeqStep(q_len=q, context_len=c, block_ids=list(row[: -(-(q + c) // 16)]), prefix_ranges=r)
+                          for (q, c, r), row in zip(shapes, bad.block_table.tolist())],
+                        SeqStep(q_len=1, context_len=0, block_ids=[int(shared)])])
+            q_lens.append(1)
         ids = {"ids float": np.zeros(sum(q_lens)), "ids short": np.zeros(max(0, sum(q_lens) - 1), np.int64)}.get(
             other, np.zeros(sum(q_lens), np.int64))
     except TypeError:

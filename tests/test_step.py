@@ -46,9 +46,35 @@ def test_validate_rejects(seqs, match):
 
 
 def test_validate_accepts_edges():
-    Step([seq(q_len=1, context_len=0, ranges=[(0, 1)]),                        # one-token range at position 0
-          seq(q_len=5, context_len=11, ranges=[(0, 4), (4, 8), (8, 16)]),        # touching ranges, last ends at seq_len
-          seq(q_len=1, context_len=255, blocks=list(range(16)))]).validate(CFG)  # exactly max_model_len
+    Step([seq(q_len=1, context_len=0, ranges=[(0, 1)], blocks=[0]),            # one-token range at position 0
+          seq(q_len=5, context_len=11, ranges=[(0, 4), (4, 8), (8, 16)], blocks=[1]),  # touching ranges to seq_len
+          seq(q_len=1, context_len=255, blocks=list(range(2, 18)))]).validate(CFG)  # exactly max_model_len
+
+
+def test_validate_accepts_shared_prefix_blocks():
+    """Blocks only read may be shared by any number of sequences (a common prefix); only
+    the blocks that new tokens write must be distinct."""
+    prefix = [7, 8, 9]                                 # 48 shared context tokens
+    Step([seq(q_len=1, context_len=48, blocks=prefix + [20]),
+          seq(q_len=3, context_len=48, blocks=prefix + [21]),
+          seq(q_len=16, context_len=48, blocks=prefix + [22]),
+          seq(q_len=20, context_len=32, blocks=prefix[:2] + [23, 24])]).validate(CFG)
+
+
+@pytest.mark.parametrize("seqs,match", [
+    ([seq(q_len=20, context_len=0, blocks=[3, 3])], r"block 3 would be written twice .*seq 0 lists it twice "
+                                                     r"\(block_ids\[0\] and \[1\]\)"),
+    ([seq(q_len=5, context_len=10, blocks=[3]), seq(q_len=5, context_len=0, blocks=[3])],
+     r"block 3 would be written twice .*seqs 0 \(block_ids\[0\]\) and 1 \(block_ids\[0\]\) both write into it"),
+    ([seq(q_len=1, context_len=20, blocks=[1, 2]), seq(q_len=1, context_len=21, blocks=[1, 2])],
+     r"block 2 would be written twice .*seqs 0 .* and 1 "),                  # two decodes, offsets 4 and 5
+    ([seq(q_len=1, context_len=20, blocks=[1, 30 + i]) for i in range(7)] + [seq(q_len=40, context_len=0,
+                                                                                  blocks=[50, 51, 33])],
+     r"block 33 would be written twice .*seqs 3 \(block_ids\[1\]\) and 7 \(block_ids\[2\]\)"),
+], ids=["one-seq-twice", "two-seqs-one-block", "two-decodes-one-block", "mixed-many"])
+def test_validate_rejects_blocks_written_twice(seqs, match):
+    with pytest.raises(ValueError, match=match):
+        Step(seqs).validate(CFG)
 
 
 @pytest.mark.parametrize("bad,err", [

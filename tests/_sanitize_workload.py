@@ -1,0 +1,104 @@
+"""A GPU workload for CUDA's compute-sanitizer (run by tests/test_sanitizer.py; see
+docs/sanitizer.md): every kernel variant on valid steps, on hand-built metadata holding
+arbitrary values, and a captured runtime replaying steps.
+
+    python tests/_sanitize_workload.py kernels   # launchers only (run with PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    python tests/_sanitize_workload.py runtime   # capture + replay (graphs need the caching allocator)
+
+Exits 0 after printing what it ran; the sanitizer's own summary says whether any access
+went wrong.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _cases import Seq, build_meta  # noqa: E402
+from graphrt import Runtime, RuntimeConfig, SeqStep, Step  # noqa: E402
+from graphrt.kernels import AttentionMetadata, paged_attention, split_workspace, write_kv  # noqa: E402
+from graphrt.toy import ToyModel  # noqa: E402
+
+
+def kernels() -> int:
+    rng = np.random.default_rng(0)
+    dev = torch.device("cuda")
+    launches = 0
+    seqs = [Seq(1, 70, ((3, 40),)), Seq(40, 8, ((2, 30),)), Seq(17, 15), Seq(1, 0), Seq(130, 0, ((10, 60),))]
+    total = sum(s.q_len for s in seqs)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for head_dim, heads in ((64, (8, 2)), (128, (4, 1)), (256, (2, 1)), (80, (6, 2))):
+            meta, _ = build_meta(seqs, block_size=16, num_blocks=40, max_ranges=2, rng=rng, device=dev, num_seqs=7,
+                                 num_tokens=total + 5)
+            hq, hkv = heads
+            kc = torch.randn(40, 16, hkv, head_dim, device=dev, dtype=dtype)
+            vc = torch.randn_like(kc)
+            q = torch.randn(total + 5, hq, head_dim, device=dev, dtype=dtype)
+            k = torch.randn(total + 5, hkv, head_dim, device=dev, dtype=dtype)
+            out = torch.empty_like(q)
+            write_kv(k, k, kc, vc, meta)
+            launches += 1
+            for opts in (dict(), dict(window=24), dict(window=24, window_rule="two_sided"),
+                         dict(window=9, window_rule="ranges_unclipped", softcap=30.0), dict(ranges=False)):
+                for splits, mql in ((1, None), (3, None), (4, 1)):
+                    if mql == 1:          # a decode-only launch: one token per sequence
+                        dmeta, _ = build_meta([Seq(1, 100), Seq(1, 5), Seq(1, 300)], block_size=16, num_blocks=40,
+                                              rng=rng, max_ranges=2, device=dev, num_seqs=4, num_tokens=4)
+                        paged_attention(q[:4], kc, vc, out[:4], dmeta, num_splits=splits, max_query_len=1, **opts)
+                    else:
+                        paged_attention(q, kc, vc, out, meta, num_splits=splits, **opts)
+                    launches += 1
+    # metadata holding arbitrary values: the kernels must stay inside their tensors
+    for trial in range(40):
+        s, t, w, r = (int(rng.integers(1, 5)), int(rng.integers(1, 40)), int(rng.integers(1, 6)),
+                      int(rng.integers(0, 3)))
+        wild = lambda *shape: torch.from_numpy(rng.choice(  # noqa: E731
+            [rng.integers(-2 ** 31, 2 ** 31 - 1), rng.integers(-50, 200), -1, 0, 16, 2 ** 31 - 1, -2 ** 31],
+            size=shape).astype(np.int64))
+        meta = AttentionMetadata(
+            query_start_loc=wild(s + 1).int().to(dev), seq_lens=wild(s).int().to(dev),
+            block_table=wild(s, w).int().to(dev), prefix_ranges=wild(s, r, 2).int().contiguous().to(dev),
+            slot_mapping=torch.from_numpy(rng.integers(-5, 700, size=t)).to(dev))
+        kc = torch.randn(40, 16, 2, 64, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(t, 8, 64, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(t, 2, 64, device=dev, dtype=torch.bfloat16)
+        write_kv(k, k, kc, kc.clone(), meta)
+        splits = int(rng.choice([1, 2, 8]))
+        paged_attention(q, kc, kc.clone(), torch.empty_like(q), meta, num_splits=splits,
+                        workspace=split_workspace(t, 8, 64, splits, dev) if splits > 1 else None,
+                        window=int(rng.choice([5, 2 ** 40])) if trial % 2 else None,
+                        window_rule=str(rng.choice(["clip", "two_sided", "ranges_unclipped"])))
+        launches += 2
+    torch.cuda.synchronize()
+    return launches
+
+
+def runtime() -> int:
+    cfg = RuntimeConfig(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=256, max_num_seqs=8,
+                        max_num_tokens=128, max_model_len=512, max_prefix_ranges=2, dtype=torch.bfloat16)
+    model = ToyModel(cfg, num_layers=2, hidden=128, vocab=64, device="cuda")
+    rt = Runtime(cfg, model, num_layers=2, strict=True)
+    rt.capture(decode_buckets=[1, 4, 8], mixed_buckets=[32, 128], quiet=True)
+    rng = np.random.default_rng(1)
+    free = iter(rng.permutation(cfg.num_blocks).tolist())
+    blocks = [[next(free) for _ in range(12)] for _ in range(8)]
+    steps = 0
+    for i in range(12):
+        n = int(rng.integers(1, 9))
+        q_len = 1 if i % 2 else int(rng.integers(1, 16))
+        contexts = rng.integers(0, 150, n).tolist()
+        step = Step([SeqStep(q_len=q_len, context_len=c, block_ids=blocks[j], prefix_ranges=[(0, 3)] if c >= 3 else [])
+                     for j, c in enumerate(contexts)])
+        rt.step(step, rng.integers(0, 64, step.num_tokens))
+        steps += rt.last.mode == "replay"
+    torch.cuda.synchronize()
+    return steps
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    ran = kernels() if what == "kernels" else runtime()
+    print(f"graphrt sanitize workload {what}: {ran} {'launches' if what == 'kernels' else 'replayed steps'}")
