@@ -3,6 +3,7 @@ docs/sanitizer.md): every kernel variant on valid steps, on hand-built metadata 
 arbitrary values, and a captured runtime replaying steps.
 
     python tests/_sanitize_workload.py kernels   # launchers only (run with PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    python tests/_sanitize_workload.py kernels-small   # the bf16 variants only (for racecheck)
     python tests/_sanitize_workload.py runtime   # capture + replay (graphs need the caching allocator)
 
 Exits 0 after printing what it ran; the sanitizer's own summary says whether any access
@@ -23,36 +24,41 @@ from graphrt.kernels import AttentionMetadata, paged_attention, split_workspace,
 from graphrt.toy import ToyModel  # noqa: E402
 
 
-def kernels() -> int:
+def kernels(small: bool = False) -> int:
+    """Each variant once (small: the bf16 ones a model runs, for racecheck, which is slower)."""
     rng = np.random.default_rng(0)
     dev = torch.device("cuda")
     launches = 0
     seqs = [Seq(1, 70, ((3, 40),)), Seq(40, 8, ((2, 30),)), Seq(17, 15), Seq(1, 0), Seq(130, 0, ((10, 60),))]
     total = sum(s.q_len for s in seqs)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for head_dim, heads in ((64, (8, 2)), (128, (4, 1)), (256, (2, 1)), (80, (6, 2))):
-            meta, _ = build_meta(seqs, block_size=16, num_blocks=40, max_ranges=2, rng=rng, device=dev, num_seqs=7,
-                                 num_tokens=total + 5)
-            hq, hkv = heads
-            kc = torch.randn(40, 16, hkv, head_dim, device=dev, dtype=dtype)
-            vc = torch.randn_like(kc)
-            q = torch.randn(total + 5, hq, head_dim, device=dev, dtype=dtype)
-            k = torch.randn(total + 5, hkv, head_dim, device=dev, dtype=dtype)
-            out = torch.empty_like(q)
-            write_kv(k, k, kc, vc, meta)
-            launches += 1
-            for opts in (dict(), dict(window=24), dict(window=24, window_rule="two_sided"),
-                         dict(window=9, window_rule="ranges_unclipped", softcap=30.0), dict(ranges=False)):
-                for splits, mql in ((1, None), (3, None), (4, 1)):
-                    if mql == 1:          # a decode-only launch: one token per sequence
-                        dmeta, _ = build_meta([Seq(1, 100), Seq(1, 5), Seq(1, 300)], block_size=16, num_blocks=40,
-                                              rng=rng, max_ranges=2, device=dev, num_seqs=4, num_tokens=4)
-                        paged_attention(q[:4], kc, vc, out[:4], dmeta, num_splits=splits, max_query_len=1, **opts)
-                    else:
-                        paged_attention(q, kc, vc, out, meta, num_splits=splits, **opts)
-                    launches += 1
+    variants = [(torch.bfloat16, 128, (4, 1))] if small else [
+        (torch.bfloat16, 128, (4, 1)), (torch.bfloat16, 256, (2, 1)), (torch.float16, 80, (6, 2)),
+        (torch.float32, 64, (8, 2))]
+    options = ([dict(), dict(window=9, window_rule="ranges_unclipped", softcap=30.0)] if small else
+               [dict(), dict(window=24, window_rule="two_sided"), dict(window=9, window_rule="ranges_unclipped",
+                                                                       softcap=30.0), dict(ranges=False)])
+    for dtype, head_dim, heads in variants:
+        meta, _ = build_meta(seqs, block_size=16, num_blocks=40, max_ranges=2, rng=rng, device=dev, num_seqs=7,
+                             num_tokens=total + 5)
+        hq, hkv = heads
+        kc = torch.randn(40, 16, hkv, head_dim, device=dev, dtype=dtype)
+        vc = torch.randn_like(kc)
+        q = torch.randn(total + 5, hq, head_dim, device=dev, dtype=dtype)
+        k = torch.randn(total + 5, hkv, head_dim, device=dev, dtype=dtype)
+        out = torch.empty_like(q)
+        write_kv(k, k, kc, vc, meta)
+        launches += 1
+        for opts in options:
+            for splits, mql in ((1, None), (3, None), (4, 1)):
+                if mql == 1:          # a decode-only launch: one token per sequence
+                    dmeta, _ = build_meta([Seq(1, 100), Seq(1, 5), Seq(1, 300)], block_size=16, num_blocks=40,
+                                          rng=rng, max_ranges=2, device=dev, num_seqs=4, num_tokens=4)
+                    paged_attention(q[:4], kc, vc, out[:4], dmeta, num_splits=splits, max_query_len=1, **opts)
+                else:
+                    paged_attention(q, kc, vc, out, meta, num_splits=splits, **opts)
+                launches += 1
     # metadata holding arbitrary values: the kernels must stay inside their tensors
-    for trial in range(40):
+    for trial in range(6 if small else 24):
         s, t, w, r = (int(rng.integers(1, 5)), int(rng.integers(1, 40)), int(rng.integers(1, 6)),
                       int(rng.integers(0, 3)))
         wild = lambda *shape: torch.from_numpy(rng.choice(  # noqa: E731
@@ -100,5 +106,5 @@ def runtime() -> int:
 
 if __name__ == "__main__":
     what = sys.argv[1]
-    ran = kernels() if what == "kernels" else runtime()
+    ran = runtime() if what == "runtime" else kernels(small=what == "kernels-small")
     print(f"graphrt sanitize workload {what}: {ran} {'launches' if what == 'kernels' else 'replayed steps'}")
