@@ -55,7 +55,7 @@ class AttentionMetadata:
                 raise ValueError(f"AttentionMetadata.{name} must have {dim} dims, got shape {tuple(t.shape)}")
             if t.device != device:
                 raise ValueError(f"AttentionMetadata.{name} is on {t.device}, seq_lens on {device}")
-            if t.stride(-1) != 1 and name != "block_table":
+            if t.numel() and t.stride(-1) != 1 and name != "block_table":
                 raise ValueError(f"AttentionMetadata.{name} needs a contiguous last dim, strides {t.stride()}")
         if self.query_start_loc.shape[0] != s + 1:
             raise ValueError(f"AttentionMetadata.query_start_loc has {self.query_start_loc.shape[0]} entries, "

@@ -107,4 +107,4 @@ def runtime() -> int:
 if __name__ == "__main__":
     what = sys.argv[1]
     ran = runtime() if what == "runtime" else kernels(small=what == "kernels-small")
-    print(f"graphrt sanitize workload {what}: {ran} {'launches' if what == 'kernels' else 'replayed steps'}")
+    print(f"graphrt sanitize workload {what}: {ran} {'replayed steps' if what == 'runtime' else 'launches'}")
