@@ -264,7 +264,9 @@ def _attend_tile(
     # Tiles every row sees in full: keys <= first_pos (causal for all rows) and, with a
     # window, >= last_pos - window + 1 (inside every row's window). They skip the mask.
     ft_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), kt_lo), kt_hi)
-    ft_hi = tl.minimum(tl.maximum((first_pos + 1) // BLOCK_N, ft_lo), kt_hi)
+    # (and below seq_len: metadata holding arbitrary values can put first_pos past it, and
+    # these tiles' block-table loads are not masked)
+    ft_hi = tl.minimum(tl.maximum(tl.minimum(first_pos + 1, seq_len) // BLOCK_N, ft_lo), kt_hi)
     st_lo = kt_lo
     st_hi = kt_hi
     if NUM_SPLITS > 1:

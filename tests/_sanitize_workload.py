@@ -25,7 +25,8 @@ from graphrt.toy import ToyModel  # noqa: E402
 
 
 def kernels(small: bool = False) -> int:
-    """Each variant once (small: the bf16 ones a model runs, for racecheck, which is slower)."""
+    """Each variant once (small: the bf16 ones a model runs), then 24 launches on metadata
+    holding arbitrary values."""
     rng = np.random.default_rng(0)
     dev = torch.device("cuda")
     launches = 0
@@ -58,7 +59,7 @@ def kernels(small: bool = False) -> int:
                     paged_attention(q, kc, vc, out, meta, num_splits=splits, **opts)
                 launches += 1
     # metadata holding arbitrary values: the kernels must stay inside their tensors
-    for trial in range(6 if small else 24):
+    for trial in range(24):
         s, t, w, r = (int(rng.integers(1, 5)), int(rng.integers(1, 40)), int(rng.integers(1, 6)),
                       int(rng.integers(0, 3)))
         wild = lambda *shape: torch.from_numpy(rng.choice(  # noqa: E731
