@@ -45,9 +45,11 @@ def check_same_dtype(q: torch.Tensor, **others: object) -> None:
             raise TypeError(f"{name} is {t.dtype} but q is {q.dtype}: q, {', '.join(others)} share one dtype")
 
 
-# head_dim the attention kernel compiles for on the GPU: ``tl.dot`` needs the padded head
-# dimension (next power of two) to be at least 16, and past 256 the K/V tiles of the
-# decode configuration no longer fit in shared memory.
+# head_dim the attention kernel is known to compile for and compute right on the GPU
+# (benchmarks/probe_head_dims.py on the H200): 8 fails to compile (``tl.dot`` needs the
+# padded head dimension, the next power of two, to be at least 16); 9..256 work. Past 256
+# the dimension pads to 512: one such shape compiled in the probe, the rest are untested,
+# so they are refused rather than left to fail at the first launch.
 MIN_HEAD_DIM, MAX_HEAD_DIM = 9, 256
 
 
