@@ -7,8 +7,9 @@ import sys
 import pytest
 
 REQUIRED = {"step": {"impl", "layers", "batch", "host_us", "wall_us"},
-            "kernels": {"impl", "ms"}, "runtime": {"impl", "layers", "batch", "host_us", "wall_us", "h2d_bytes"},
-            "capture": {"impl", "ms"},
+            "kernels": {"impl", "ms"},
+            "runtime": {"impl", "layers", "batch", "host_us", "gpu_us", "host_bound", "wall_us", "h2d_bytes"},
+            "capture": {"impl", "ms", "cache"},
             "soak": {"impl", "steps", "checked", "mismatches", "host_us", "host_us_windows"},
             "parallel": {"impl", "ranks", "batch", "wall_us", "host_us", "speedup_vs_1"}}
 
@@ -26,5 +27,9 @@ def test_bench_quick(name, tmp_path):
         assert row["bench"] in benches and REQUIRED[name] <= set(row), row
     if name == "soak":
         assert data["rows"][0]["checked"] >= 2 and data["rows"][0]["mismatches"] == 0, data["rows"][0]
+    if name == "capture":       # a cold Triton cache, then the same cache warm, each in a fresh process
+        assert [r["cache"] for r in data["rows"] if r["bucket"] == "all"] == ["cold", "warm"], data["rows"]
+    if name == "runtime":
+        assert 1 in {r["layers"] for r in data["rows"]}, "no one-layer row"
     if name == "step":
         assert {r["impl"] for r in data["rows"]} >= {"per_layer_rebuild", "per_step_rebuild", "graphrt_eager"}

@@ -1,8 +1,16 @@
 """Capture cost: time and graph-pool memory to capture every default bucket of a
-32-layer model (decode buckets up to 256 sequences, mixed buckets up to 8192 tokens)."""
+32-layer model (decode buckets up to 256 sequences, mixed buckets up to 8192 tokens),
+from a cold Triton cache (a fresh ``TRITON_CACHE_DIR``: the first run on a new machine
+or after an upgrade) and then a warm one (the same directory again). Each runs in a
+fresh process, so nothing compiled stays in memory between them."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -12,6 +20,31 @@ from graphrt.bench.common import quick_out_main, write
 
 
 def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
+    small = quick or not torch.cuda.is_available()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="graphrt-triton-cache-") as cache_dir:
+        for cache in ("cold", "warm"):
+            env = {**os.environ, "TRITON_CACHE_DIR": cache_dir}
+            code = f"import json; from graphrt.bench.capture import measure; print(json.dumps(measure(quick={quick})))"
+            child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600)
+            if child.returncode != 0:
+                raise RuntimeError(f"capture bench ({cache} cache) failed:\n{child.stderr[-3000:]}")
+            measured = json.loads(child.stdout.strip().splitlines()[-1])
+            rows += [{**r, "cache": cache} for r in measured]
+            total = measured[-1]
+            if total["buckets"]:
+                print(f"{cache} Triton cache: captured {total['buckets']} buckets of a {total['layers']}-layer model "
+                      f"in {total['ms'] / 1e3:.1f} s, graph pool {total['pool_bytes'] / 2**20:.0f} MiB")
+            else:
+                print(f"{cache} Triton cache: no CUDA device, nothing to capture (every step runs eagerly)")
+    path = write(out, "capture" if not small else "capture_quick", rows)
+    if not quiet:
+        print(f"wrote {path}")
+    return rows
+
+
+def measure(*, quick: bool) -> list[dict]:
+    """Capture every default bucket in this process: one row per bucket and a total."""
     from graphrt import Runtime, RuntimeConfig
     from graphrt.toy import ToyModel
 
@@ -34,14 +67,6 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
             for g in graphs]
     rows.append(dict(bench="capture", impl="graphrt_graph", layers=layers, bucket="all", buckets=len(graphs),
                      ms=1e3 * total_s, pool_bytes=sum(g.pool_bytes for g in graphs)))
-    if graphs:
-        print(f"captured {len(graphs)} buckets of a {layers}-layer model in {total_s:.1f} s, "
-              f"graph pool {sum(g.pool_bytes for g in graphs) / 2**20:.0f} MiB")
-    else:
-        print("no CUDA device: nothing to capture (every step runs eagerly)")
-    path = write(out, "capture" if not small else "capture_quick", rows)
-    if not quiet:
-        print(f"wrote {path}")
     return rows
 
 

@@ -2,7 +2,9 @@
 
 host_us: host time of rt.step minus any wait for a free staging slot (the host's own work
 per step; in a GPU-bound loop the ring makes the host wait, which is not its cost);
-wall_us: steady-state time per step over a run of steps, GPU included; h2d_bytes: the
+gpu_us: GPU time of the step alone (its graph replayed back to back, timed with events;
+CUDA only); wall_us: steady-state time per step over a run of steps, GPU included;
+host_bound: host_us > gpu_us, the cells where the host sets the pace; h2d_bytes: the
 step's one host-to-device copy. The Step is built inside the timed call (from_arrays).
 """
 
@@ -25,7 +27,8 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     small = quick or not cuda
-    layers_list, batches, context, steps = ([2], [1, 4], 48, 3) if small else ([8, 32], [1, 8, 64, 256], 1024, 200)
+    layers_list, batches, context, steps = ([1, 2], [1, 4], 48, 3) if small else ([1, 8, 32], [1, 8, 64, 256], 1024,
+                                                                                    200)
     rows = []
     for layers in layers_list:
         cfg = RuntimeConfig(num_q_heads=4 if small else 32, num_kv_heads=2 if small else 8,
@@ -59,18 +62,36 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
                     host.append(time.perf_counter() - t0 - (rt.buffers.wait_seconds - waited))
                 if cuda:
                     torch.cuda.synchronize()
+                wall_us = 1e6 * (time.perf_counter() - t_start) / steps
+                gpu_us = _replay_us(rt, steps) if cuda and rt.last.mode == "replay" else None
+                host_us = 1e6 * statistics.median(host)
                 rows.append(dict(bench="runtime", impl="graphrt_graph" if rt.last.mode == "replay" else "graphrt_eager",
-                                 nvtx=nvtx_on, layers=layers, batch=batch, context=context,
-                                 host_us=1e6 * statistics.median(host),
-                                 wall_us=1e6 * (time.perf_counter() - t_start) / steps,
+                                 nvtx=nvtx_on, layers=layers, batch=batch, context=context, host_us=host_us,
+                                 gpu_us=gpu_us, wall_us=wall_us, host_bound=None if gpu_us is None else host_us > gpu_us,
                                  h2d_bytes=rt.last.copy_bytes))
     for r in rows:
+        gpu = "      -" if r["gpu_us"] is None else f"{r['gpu_us']:7.1f}"
         print(f"L={r['layers']:3d} batch={r['batch']:4d} nvtx={'on ' if r['nvtx'] else 'off'} {r['impl']}: "
-              f"host {r['host_us']:7.1f} us  wall {r['wall_us']:8.1f} us  copy {r['h2d_bytes']} B")
+              f"host {r['host_us']:7.1f} us  gpu {gpu} us  wall {r['wall_us']:8.1f} us  copy {r['h2d_bytes']} B"
+              f"{'  host-bound' if r['host_bound'] else ''}")
     path = write(out, "runtime" if not small else "runtime_quick", rows)
     if not quiet:
         print(f"wrote {path}")
     return rows
+
+
+def _replay_us(rt, steps: int) -> float:
+    """GPU µs of the last step's graph alone: ``steps`` replays queued back to back (the
+    host launches far faster than they run), timed with events."""
+    graph = rt.graphs.graphs[rt.last.bucket]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rt.graphs.replay(graph)
+    start.record()
+    for _ in range(steps):
+        rt.graphs.replay(graph)
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / steps
 
 
 def main(argv: list[str] | None = None) -> None:
