@@ -68,6 +68,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_kv_heads, head_dim = k.shape
     if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
         raise ValueError(f"k_cache heads/head_dim {tuple(k_cache.shape[2:])} != k's {(num_kv_heads, head_dim)}")
+    if k_cache.shape[1] < 1:
+        raise ValueError(f"k_cache blocks must hold at least one token, got shape {tuple(k_cache.shape)}")
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"k has {num_tokens} rows, slot_mapping {slot_mapping.shape[0]} entries (the metadata's "
                          f"token slots): k and v need one row per token slot")

@@ -503,8 +503,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
              tokens must already be in the cache (see ``write_kv``).
     out:     [T, Hq, D], same dtype as q. Rows of tokens past the step's count are untouched.
     meta:    the step's AttentionMetadata on the same device.
-    scale:   logit scale in [1e-6, 1e6], default 1/sqrt(D). window: keys with ``q - k < window`` (None: off;
-             windows wider than 2**30 act as 2**30).
+    scale:   logit scale in [1e-6, 1e6], default 1/sqrt(D).
+    window:  keys with ``q - k < window`` (None: off; windows wider than 2**30 act as 2**30).
     window_rule: how a window and prefix ranges combine: "clip" (default), "two_sided" or
              "ranges_unclipped"; aliases "gemma3", "gemma4" (module doc).
     ranges:  False ignores the prefix ranges in this call (plain causal attention, as the
@@ -529,6 +529,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
     check_head_dim(head_dim, "q.shape[2] (head_dim)")
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(f"k_cache must hold at least one block of at least one token, got shape {tuple(k_cache.shape)}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"q heads ({num_q_heads}) must be a multiple of k_cache heads ({num_kv_heads})")
     if num_tokens != meta.max_num_tokens:

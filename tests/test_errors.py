@@ -49,6 +49,8 @@ def _call(setup, **change):
                     k_cache=torch.randn(4, 16, 2, 320, device=s["q"].device),
                     v_cache=torch.randn(4, 16, 2, 320, device=s["q"].device)),
      ValueError, r"^q.shape\[2\] \(head_dim\) must be an int in \[9, 256\]"),
+    (lambda s: dict(k_cache=s["k_cache"][:0], v_cache=s["v_cache"][:0]), ValueError,
+     r"^k_cache must hold at least one block"),
     (lambda s: dict(window_rule="gemma2"), ValueError, r"^window_rule must be one of"),
     (lambda s: dict(ranges=1), TypeError, r"^ranges must be a bool"),
     (lambda s: dict(window=0), ValueError, r"^window must be a positive int"),
@@ -68,7 +70,7 @@ def _call(setup, **change):
     (lambda s: dict(num_splits=2, workspace=split_workspace(6, 4, 64, 3, s["q"].device)), ValueError,
      r"^workspace\[0\] must be"),
 ], ids=["q-int", "cache-dtype", "out-dtype", "q-fp16-caches-fp32", "q-dims", "v-shape", "out-shape", "q-strided",
-        "heads", "head-dim", "q-rows-over-capacity", "q-rows-under-capacity", "head-dim-8", "head-dim-320",
+        "heads", "head-dim", "q-rows-over-capacity", "q-rows-under-capacity", "head-dim-8", "head-dim-320", "cache-no-blocks",
         "window-rule", "ranges-int", "window-0", "window-float", "window-bool", "softcap-0", "softcap-inf",
         "softcap-nan", "softcap-bool", "scale-nan", "scale-inf", "scale-negative", "scale-tiny", "softcap-1e30", "splits-0", "splits-bool",
         "workspace"])
@@ -109,6 +111,8 @@ def test_write_kv_rejects(setup):
                  setup["meta"])
     with pytest.raises(ValueError, match=r"^k has 4 rows, slot_mapping 6 entries"):
         write_kv(k[:4], k[:4], cache, cache, setup["meta"])
+    with pytest.raises(ValueError, match=r"^k_cache blocks must hold at least one token"):
+        write_kv(k, k, cache[:, :0], cache[:, :0], setup["meta"])
     with pytest.raises(TypeError, match=r"^slot_mapping must have dtype"):
         write_kv(k, k, cache, cache, setup["meta"].slot_mapping.int())
     assert torch.equal(cache, before), "cache was touched by a rejected call"
