@@ -38,28 +38,36 @@ class _ReferenceContext:
 
     def attention(self, layer, q, k, v, *, scale=None, window=None, window_rule="clip", ranges=True, softcap=None):
         r = self._runner
-        reference.write_kv(k, v, r.k_caches[layer], r.v_caches[layer], self.meta.slot_mapping)
+        scales = dict(k_scale=r.k_scales[layer], v_scale=r.v_scales[layer]) if r.k_scales is not None else {}
+        reference.write_kv(k, v, r.k_caches[layer], r.v_caches[layer], self.meta.slot_mapping, **scales)
         out = reference.paged_attention(q, r.k_caches[layer], r.v_caches[layer], self.meta, scale=scale,
                                         window=window, window_rule=window_rule, ranges=ranges,
-                                        softcap=softcap)
+                                        softcap=softcap, **scales)
         return out.to(device=q.device, dtype=q.dtype)
 
 
 class ReferenceRunner:
     """``model_step`` over its own caches ([num_blocks, block_size, Hkv, D] per layer, in
-    cfg.dtype), attention computed in float64 by the reference. ``kv_caches`` (k list, v
-    list) shares existing caches instead, e.g. a runtime's, to check any single step
-    against what the runtime's cache holds (its writes then land in those caches)."""
+    cfg's cache dtype), attention computed in float64 by the reference. ``kv_caches`` (k
+    list, v list) shares existing caches instead, e.g. a runtime's, to check any single
+    step against what the runtime's cache holds (its writes then land in those caches).
+    fp8 caches: ``kv_scales`` ([num_layers, Hkv] k and v scales, e.g. a runtime's
+    ``(k_scales, v_scales)``), ones by default."""
 
     def __init__(self, cfg: RuntimeConfig, model_step: Callable[[Any], Any], *, num_layers: int,
-                 device: torch.device | str = "cpu", kv_caches: tuple[list, list] | None = None):
+                 device: torch.device | str = "cpu", kv_caches: tuple[list, list] | None = None,
+                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         shape = (cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.cfg, self.model_step, self.device = cfg, model_step, torch.device(device)
+        self.k_scales = self.v_scales = None
+        if cfg.fp8_cache:
+            ones = torch.ones(num_layers, cfg.num_kv_heads, dtype=torch.float32, device=device)
+            self.k_scales, self.v_scales = kv_scales if kv_scales is not None else (ones, ones.clone())
         if kv_caches is not None:
             self.k_caches, self.v_caches = list(kv_caches[0]), list(kv_caches[1])
             return
-        self.k_caches = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(num_layers)]
+        self.k_caches = [torch.zeros(shape, dtype=cfg.cache_dtype, device=device) for _ in range(num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=cfg.cache_dtype, device=device) for _ in range(num_layers)]
 
     def step(self, step: Step, input_ids, *, embeds: torch.Tensor | None = None, embed_rows=None) -> Any:
         """Run ``model_step`` on ``step`` (input_ids: [num_tokens] ints; embeds and

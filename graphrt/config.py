@@ -30,6 +30,9 @@ class RuntimeConfig:
     max_prefix_ranges: int = 8  # prefix ranges (images) per sequence
     dtype: torch.dtype = torch.bfloat16
     embed_dim: int = 0          # width of input embeddings a step may bring (0: token ids only)
+    # KV-cache element type: None (dtype) or torch.float8_e4m3fn, which stores K / k_scale
+    # and V / v_scale per layer and KV head (``Runtime.k_scales`` / ``v_scales``)
+    kv_cache_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "num_blocks", "max_num_seqs",
@@ -51,6 +54,18 @@ class RuntimeConfig:
                              f"({self.max_num_seqs}): every sequence brings at least one token")
         if self.dtype not in _DTYPES:
             raise ValueError(f"RuntimeConfig.dtype must be one of {_DTYPES}, got {self.dtype}")
+        if self.kv_cache_dtype not in (None, self.dtype, torch.float8_e4m3fn):
+            raise ValueError(f"RuntimeConfig.kv_cache_dtype must be None (dtype), {self.dtype} or "
+                             f"torch.float8_e4m3fn, got {self.kv_cache_dtype}")
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type."""
+        return self.kv_cache_dtype or self.dtype
+
+    @property
+    def fp8_cache(self) -> bool:
+        return self.cache_dtype == torch.float8_e4m3fn
 
     @property
     def max_blocks_per_seq(self) -> int:

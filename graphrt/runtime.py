@@ -73,11 +73,12 @@ class StepContext:
         out = torch.empty_like(q)
         opts = dict(scale=scale, window=window, window_rule=window_rule, ranges=ranges, softcap=softcap,
                     num_splits=self._num_splits, max_query_len=self._max_query_len)
+        scales = dict(k_scale=rt.k_scales[layer], v_scale=rt.v_scales[layer]) if rt.k_scales is not None else {}
         if torch.compiler.is_compiling():       # torch.compile traces the custom ops (graphrt.kernels.ops)
-            torch.ops.graphrt.write_kv(k, v, k_cache, v_cache, self.meta.slot_mapping)
-            return attention_op(q, k_cache, v_cache, out, self.meta, workspace=self._workspace, **opts)
-        write_kv(k, v, k_cache, v_cache, self.meta)
-        return paged_attention(q, k_cache, v_cache, out, self.meta, workspace=self._workspace, **opts)
+            torch.ops.graphrt.write_kv(k, v, k_cache, v_cache, self.meta.slot_mapping, **scales)
+            return attention_op(q, k_cache, v_cache, out, self.meta, workspace=self._workspace, **opts, **scales)
+        write_kv(k, v, k_cache, v_cache, self.meta, **scales)
+        return paged_attention(q, k_cache, v_cache, out, self.meta, workspace=self._workspace, **opts, **scales)
 
     def _check_attention_inputs(self, layer: Any, q: Any, k: Any, v: Any) -> None:
         rt, cfg = self._rt, self._rt.cfg
@@ -142,18 +143,25 @@ class Runtime:
         self.device = device
         self.buffers = StepBuffers(cfg, self.device, ring=ring)
         shape = (cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        cache_dtype = cfg.cache_dtype
         if kv_caches is None:
-            self.k_caches = [torch.zeros(shape, dtype=cfg.dtype, device=self.device) for _ in range(num_layers)]
-            self.v_caches = [torch.zeros(shape, dtype=cfg.dtype, device=self.device) for _ in range(num_layers)]
+            self.k_caches = [torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(num_layers)]
+            self.v_caches = [torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(num_layers)]
         else:
             self.k_caches, self.v_caches = list(kv_caches[0]), list(kv_caches[1])
             for name, caches in (("k_caches", self.k_caches), ("v_caches", self.v_caches)):
                 if len(caches) != num_layers:
                     raise ValueError(f"kv_caches {name} has {len(caches)} layers, num_layers is {num_layers}")
                 for i, c in enumerate(caches):
-                    if tuple(c.shape) != shape or c.dtype != cfg.dtype or c.device != self.device:
-                        raise ValueError(f"kv_caches {name}[{i}] must be {shape} {cfg.dtype} on {self.device}, "
+                    if tuple(c.shape) != shape or c.dtype != cache_dtype or c.device != self.device:
+                        raise ValueError(f"kv_caches {name}[{i}] must be {shape} {cache_dtype} on {self.device}, "
                                          f"got {tuple(c.shape)} {c.dtype} on {c.device}")
+        # fp8 caches: [num_layers, Hkv] float32 scales, read by the kernels on the device, so
+        # set_kv_scales takes effect in captured graphs without a new capture
+        self.k_scales = self.v_scales = None
+        if cfg.fp8_cache:
+            self.k_scales = torch.ones(num_layers, cfg.num_kv_heads, dtype=torch.float32, device=self.device)
+            self.v_scales = torch.ones(num_layers, cfg.num_kv_heads, dtype=torch.float32, device=self.device)
         self.strict = strict
         self.tracer = Tracer(nvtx)
         self.graphs = GraphSet(self._guarded, self._guarded_fast) if self.device.type == "cuda" else None
@@ -161,6 +169,24 @@ class Runtime:
         self.last: StepInfo | None = None
         self._layouts: dict[Bucket, Layout] = {}
         self._contexts: dict[Bucket, StepContext] = {}
+
+    def set_kv_scales(self, k_scales: Any, v_scales: Any) -> None:
+        """Scales of an fp8 cache: K is stored as K / k_scale and read back as code * k_scale,
+        per layer and KV head. Each argument is a float, or anything that broadcasts to
+        [num_layers, num_kv_heads] (a tensor is copied on its device's stream; host values
+        are copied once here, a setup-time call). Values must be finite and > 0; a good
+        choice is each head's largest |K| (|V|) over calibration data divided by 448."""
+        if self.k_scales is None:
+            raise ValueError("set_kv_scales is for fp8 caches: RuntimeConfig.kv_cache_dtype is not torch.float8_e4m3fn")
+        for name, value, target in (("k_scales", k_scales, self.k_scales), ("v_scales", v_scales, self.v_scales)):
+            t = torch.as_tensor(value, dtype=torch.float32)
+            if t.device.type == "cpu" and not bool(torch.isfinite(t).all() and (t > 0).all()):
+                raise ValueError(f"{name} must be finite and > 0")
+            try:
+                target.copy_(torch.broadcast_to(t.to(target.device), target.shape))
+            except RuntimeError as exc:
+                raise ValueError(f"{name} must broadcast to {tuple(target.shape)} (num_layers, num_kv_heads), got "
+                                 f"{tuple(t.shape)}") from exc
 
     # ---------------------------------------------------------------- capture
     def capture(self, decode_buckets: Sequence[int] | None = None, mixed_buckets: Sequence[int] | None = None, *,
@@ -226,12 +252,14 @@ class Runtime:
         pairs += [("inputs_embeds", self.buffers.inputs_embeds)] if self.buffers.inputs_embeds is not None else []
         pairs += [(f"k_caches[{i}]", t) for i, t in enumerate(self.k_caches)]
         pairs += [(f"v_caches[{i}]", t) for i, t in enumerate(self.v_caches)]
+        pairs += [("k_scales", self.k_scales), ("v_scales", self.v_scales)] if self.k_scales is not None else []
         pairs += [(name, _weight(owner, key)) for name, owner, key in self._weights()]
         return pairs
 
     def _guarded_fast(self) -> list[torch.Tensor]:
         embeds = [self.buffers.inputs_embeds] if self.buffers.inputs_embeds is not None else []
-        return [self.buffers.arena, *embeds, *self.k_caches, *self.v_caches,
+        scales = [self.k_scales, self.v_scales] if self.k_scales is not None else []
+        return [self.buffers.arena, *embeds, *self.k_caches, *self.v_caches, *scales,
                 *[_weight(owner, key) for _, owner, key in self._weights()]]
 
     # ---------------------------------------------------------------- step

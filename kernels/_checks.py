@@ -7,6 +7,8 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn
+CACHE_DTYPES = (*FLOAT_DTYPES, FP8)      # a KV cache: the inputs' dtype, or fp8 e4m3 with scales
 
 
 def check_tensor(name: str, t: object, *, dim: int, dtypes=FLOAT_DTYPES, device: torch.device | None = None,
@@ -57,3 +59,30 @@ def check_head_dim(head_dim: object, name: str = "head_dim") -> None:
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"{name} must be an int in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (what the attention kernel "
                          f"compiles for), got {head_dim!r}")
+
+
+def check_cache_dtypes(dtype: torch.dtype, name: str, k_cache: object, v_cache: object) -> bool:
+    """Both caches ``dtype`` (the inputs', named ``name``) or both fp8 e4m3; True for fp8."""
+    kd, vd = (getattr(c, "dtype", None) for c in (k_cache, v_cache))
+    if kd == FP8 and vd == FP8:
+        return True
+    for cache_name, d in (("k_cache", kd), ("v_cache", vd)):
+        if d is not None and d != dtype:
+            raise TypeError(f"{cache_name} is {d} but {name} is {dtype}: the caches are {name}'s dtype, or both "
+                            f"torch.float8_e4m3fn (with k_scale and v_scale)")
+    return False
+
+
+def check_kv_scales(fp8: bool, k_scale: object, v_scale: object, num_kv_heads: int, device: torch.device) -> None:
+    """fp8 caches take [Hkv] float32 scales on the device; other caches none."""
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not fp8:
+            if s is not None:
+                raise ValueError(f"{name} is for fp8 caches; these caches are not fp8")
+            continue
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"{name} must be a [{num_kv_heads}] float32 tensor for fp8 caches, got {type(s).__name__}")
+        if s.dtype != torch.float32 or tuple(s.shape) != (num_kv_heads,) or s.device != device or \
+                (num_kv_heads > 1 and s.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous [{num_kv_heads}] float32 tensor on {device}, got "
+                             f"{tuple(s.shape)} {s.dtype} on {s.device}")

@@ -1,6 +1,7 @@
 """KV-cache write: the step's new K/V rows into their cache slots (slot -1 = skip; so is any
 slot outside the cache, checked on the device, so that hand-built metadata cannot write
-past the cache)."""
+past the cache). An fp8 (e4m3) cache takes K / k_scale[h] and V / v_scale[h] per KV head,
+saturated to +-448 and rounded to nearest even (``reference.quantize``)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,36 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_runnable, check_shape, check_tensor
+from ._checks import CACHE_DTYPES, check_cache_dtypes, check_kv_scales, check_runnable, check_shape, check_tensor
 from .metadata import AttentionMetadata
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """fp32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32.
+    Triton's interpreter converts fp32 to e4m3 dropping a carry into the exponent (31.9
+    becomes 16, not 32); given a value it need not round, it is exact. On the GPU the
+    hardware conversion rounds and this is not used."""
+    bits = x.to(tl.int32, bitcast=True)
+    negative = bits < 0                                  # the sign bit (-0.0 included)
+    # normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the low 20 to even
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    # below 2**-6 e4m3 is subnormal, a multiple of 2**-9: adding 1.5 * 2**14 rounds there
+    # (on |x|, so that the sign, zero included, stays x's)
+    tiny = (tl.abs(x) + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, tl.where(negative, -tiny, tiny), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_kc_blk, stride_kc_tok, stride_kc_head,
     stride_vc_blk, stride_vc_tok, stride_vc_head,
     num_slots,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, ROUND_E4M3: tl.constexpr,
 ):
     i_tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + i_tok)
@@ -35,19 +52,31 @@ def _write_kv_kernel(
     # [HEADS_PAD, HEAD_DIM_PAD]
     b_k = tl.load(k_ptr + i_tok.to(tl.int64) * stride_k_tok + o_h[:, None] * stride_k_head + o_d[None, :], mask=m)
     b_v = tl.load(v_ptr + i_tok.to(tl.int64) * stride_v_tok + o_h[:, None] * stride_v_head + o_d[None, :], mask=m)
+    if QUANTIZE:     # x / scale[h] (IEEE division, as the reference), saturated to e4m3's range
+        m_h = o_h < NUM_KV_HEADS
+        k_s = tl.load(k_scale_ptr + o_h, mask=m_h, other=1.0)[:, None]
+        v_s = tl.load(v_scale_ptr + o_h, mask=m_h, other=1.0)[:, None]
+        b_k = tl.minimum(tl.maximum(tl.div_rn(b_k.to(tl.float32), k_s), -448.0), 448.0)
+        b_v = tl.minimum(tl.maximum(tl.div_rn(b_v.to(tl.float32), v_s), -448.0), 448.0)
+        if ROUND_E4M3:
+            b_k = _round_to_e4m3(b_k)
+            b_v = _round_to_e4m3(b_v)
     p_kc = k_cache_ptr + i_blk * stride_kc_blk + i_off * stride_kc_tok + o_h[:, None] * stride_kc_head + o_d[None, :]
     p_vc = v_cache_ptr + i_blk * stride_vc_blk + i_off * stride_vc_tok + o_h[:, None] * stride_vc_head + o_d[None, :]
-    tl.store(p_kc, b_k, mask=m)
-    tl.store(p_vc, b_v, mask=m)
+    tl.store(p_kc, b_k.to(k_cache_ptr.dtype.element_ty), mask=m)
+    tl.store(p_vc, b_v.to(v_cache_ptr.dtype.element_ty), mask=m)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: AttentionMetadata | torch.Tensor) -> None:
+             meta: AttentionMetadata | torch.Tensor, *, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Copy new K/V rows into the paged cache in place.
 
     k, v:    [T, Hkv, D], T = the metadata's token capacity (one row per token slot; rows
              past the step's tokens have slot -1).
-    k_cache, v_cache: [num_blocks, block_size, Hkv, D], same dtype as k.
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D], same dtype as k, or
+             torch.float8_e4m3fn with ``k_scale`` / ``v_scale`` ([Hkv] float32 on the device,
+             read on the device: they may change between replays).
     meta:    AttentionMetadata, or its ``slot_mapping`` alone: [T] int64, a cache slot
              (block * block_size + offset) per token, -1 to skip the token. Slots past the
              cache are skipped too (checked on the device: no host read).
@@ -58,16 +87,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check_runnable(device)
     check_tensor("k", k, dim=3, device=device)
     check_tensor("v", v, dim=3, dtypes=(k.dtype,), device=device)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if isinstance(t, torch.Tensor) and t.dtype != k.dtype:
-            raise TypeError(f"{name} is {t.dtype} but k is {k.dtype}: k, v and the caches share one dtype")
-    check_tensor("k_cache", k_cache, dim=4, device=device)
-    check_tensor("v_cache", v_cache, dim=4, device=device)
+    fp8 = check_cache_dtypes(k.dtype, "k", k_cache, v_cache)
+    check_tensor("k_cache", k_cache, dim=4, dtypes=CACHE_DTYPES, device=device)
+    check_tensor("v_cache", v_cache, dim=4, dtypes=CACHE_DTYPES, device=device)
     check_shape("v", v, k.shape)
     check_shape("v_cache", v_cache, k_cache.shape)
     num_tokens, num_kv_heads, head_dim = k.shape
     if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
         raise ValueError(f"k_cache heads/head_dim {tuple(k_cache.shape[2:])} != k's {(num_kv_heads, head_dim)}")
+    check_kv_scales(fp8, k_scale, v_scale, k_cache.shape[2], device)
     if k_cache.shape[1] < 1:
         raise ValueError(f"k_cache blocks must hold at least one token, got shape {tuple(k_cache.shape)}")
     if slot_mapping.shape[0] != num_tokens:
@@ -76,13 +104,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k, v_scale if fp8 else v,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_cache.shape[0] * k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        KV_BLOCK_SIZE=k_cache.shape[1],
+        KV_BLOCK_SIZE=k_cache.shape[1], QUANTIZE=fp8, ROUND_E4M3=fp8 and device.type == "cpu",
         num_warps=4,
     )

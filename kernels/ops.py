@@ -21,13 +21,15 @@ from .paged_attention import paged_attention as _paged_attention
 
 @torch.library.custom_op("graphrt::write_kv", mutates_args=("k_cache", "v_cache"))
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T] int64."""
-    _write_kv(k, v, k_cache, v_cache, slot_mapping)
+             slot_mapping: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
+             v_scale: Optional[torch.Tensor] = None) -> None:
+    """k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T] int64;
+    k_scale, v_scale: [Hkv] float32 for fp8 caches."""
+    _write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 @write_kv.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping) -> None:
+def _(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     return None
 
 
@@ -38,7 +40,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     part_lse: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None,
                     window_rule: str = "clip", ranges: bool = True, softcap: Optional[float] = None,
                     num_splits: int = 1,
-                    max_query_len: Optional[int] = None) -> None:
+                    max_query_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
+                    v_scale: Optional[torch.Tensor] = None) -> None:
     """``graphrt.kernels.paged_attention`` with the metadata's tensors spelled out and the
     split workspace as two tensors (empty ones: no workspace); writes ``out`` ([T, Hq, D])
     in place. The workspace is two required positional tensors, not Optional ones with
@@ -48,13 +51,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                              prefix_ranges=prefix_ranges, slot_mapping=slot_mapping)
     workspace = None if part_o.numel() == 0 or part_lse.numel() == 0 else (part_o, part_lse)
     _paged_attention(q, k_cache, v_cache, out, meta, scale=scale, window=window, window_rule=window_rule,
-                     ranges=ranges, softcap=softcap, num_splits=num_splits, workspace=workspace, max_query_len=max_query_len)
+                     ranges=ranges, softcap=softcap, num_splits=num_splits, workspace=workspace,
+                     max_query_len=max_query_len, k_scale=k_scale, v_scale=v_scale)
 
 
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, prefix_ranges, slot_mapping, part_o,
       part_lse, scale=None, window=None, window_rule="clip", ranges=True, softcap=None, num_splits=1,
-      max_query_len=None) -> None:
+      max_query_len=None, k_scale=None, v_scale=None) -> None:
     return None
 
 

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_head_dim, check_runnable, check_same_dtype, check_shape,
-                      check_tensor)
+from ._checks import (CACHE_DTYPES, check_cache_dtypes, check_head_dim, check_kv_scales, check_runnable,
+                      check_same_dtype, check_shape, check_tensor)
 from .metadata import AttentionMetadata
 
 # How a sliding window and prefix ranges combine (see the module doc). The names say what
@@ -102,6 +102,8 @@ def _attend_key_tile(
         b_k = tl.load(p_k, mask=m_d[:, None], other=0.0)
         b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
 
+    b_k = b_k.to(b_q.dtype)       # fp8 caches: e4m3 codes to q's dtype (their scale is folded in elsewhere)
+    b_v = b_v.to(b_q.dtype)
     if IEEE_DOT:     # fp32 operands, full-precision products (fp32 caches; bf16 in the interpreter)
         b_s = tl.dot(b_q.to(tl.float32), b_k.to(tl.float32), input_precision="ieee")
     else:
@@ -189,7 +191,7 @@ def _attend_span(
 @triton.jit
 def _attend_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    prefix_ranges_ptr, block_table_ptr,
+    prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
     i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
@@ -205,7 +207,7 @@ def _attend_tile(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
     sequence over this split's share of its visible key tiles; writes the output, or the
@@ -274,6 +276,8 @@ def _attend_tile(
         st_lo = kt_lo + i_split * per_split
         st_hi = tl.minimum(st_lo + per_split, kt_hi)
 
+    if KV_FP8:       # K = codes * k_scale: folded into the logit scale; V's scale into the output
+        scale_log2e = scale_log2e * tl.load(k_scale_ptr + i_kvh)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -298,6 +302,8 @@ def _attend_tile(
 
     has_keys = l_i > 0.0
     b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if KV_FP8:
+        b_o = b_o * tl.load(v_scale_ptr + i_kvh)
     o_tok_abs = o_row.to(tl.int64)
     m_out = m_row[:, None] & m_d[None, :]
     p_out = out_ptr + o_tok_abs[:, None] * stride_o_tok + i_qh[:, None] * stride_o_head + o_d[None, :]
@@ -314,7 +320,7 @@ def _attend_tile(
 @triton.jit
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -331,7 +337,7 @@ def _attn_kernel(
     SHORT_Q: tl.constexpr, SHORT_BLOCK_N: tl.constexpr,
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Tiles in reverse order: a sequence's last query tiles see the most keys (causal), so
     # they start first and the short ones fill the tail of the launch.
@@ -367,25 +373,25 @@ def _attn_kernel(
         # tokens and longer key tiles, so it costs what it would in a decode launch.
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-            prefix_ranges_ptr, block_table_ptr,
+            prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
             i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, SHORT_Q, SHORT_BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT, KV_FP8)
     else:
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-            prefix_ranges_ptr, block_table_ptr,
+            prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
             i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT, KV_FP8)
 
 
 @triton.jit
@@ -495,12 +501,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, *, scale: float | None = None, window: int | None = None,
                     window_rule: str = "clip", ranges: bool = True, softcap: float | None = None, num_splits: int = 1,
                     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    max_query_len: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+                    max_query_len: int | None = None, config: KernelConfig | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the step's new tokens over their paged K/V; writes ``out`` in place.
 
     q:       [T, Hq, D] new-token queries (T = token capacity of this launch).
     k_cache, v_cache: [num_blocks, block_size, Hkv, D] with Hq % Hkv == 0; K/V of the new
-             tokens must already be in the cache (see ``write_kv``).
+             tokens must already be in the cache (see ``write_kv``). q's dtype, or
+             torch.float8_e4m3fn with ``k_scale`` / ``v_scale``: [Hkv] float32 on the device,
+             K = codes * k_scale[h] (likewise V), read on the device at each launch.
     out:     [T, Hq, D], same dtype as q. Rows of tokens past the step's count are untouched.
     meta:    the step's AttentionMetadata on the same device.
     scale:   logit scale in [1e-6, 1e6], default 1/sqrt(D).
@@ -518,9 +527,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     device = meta.device
     check_runnable(device)
     check_tensor("q", q, dim=3, device=device)
-    check_same_dtype(q, k_cache=k_cache, v_cache=v_cache, out=out)
-    check_tensor("k_cache", k_cache, dim=4, device=device)
-    check_tensor("v_cache", v_cache, dim=4, device=device)
+    check_same_dtype(q, out=out)
+    fp8 = check_cache_dtypes(q.dtype, "q", k_cache, v_cache)
+    check_tensor("k_cache", k_cache, dim=4, dtypes=CACHE_DTYPES, device=device)
+    check_tensor("v_cache", v_cache, dim=4, dtypes=CACHE_DTYPES, device=device)
     check_tensor("out", out, dim=3, device=device)
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -529,6 +539,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
     check_head_dim(head_dim, "q.shape[2] (head_dim)")
+    check_kv_scales(fp8, k_scale, v_scale, num_kv_heads, device)
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"k_cache must hold at least one block of at least one token, got shape {tuple(k_cache.shape)}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
@@ -582,6 +593,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,
+        k_scale if fp8 else out, v_scale if fp8 else out,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -599,6 +611,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_SOFTCAP=softcap is not None,
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
         NUM_SPLITS=num_splits, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
+        KV_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:

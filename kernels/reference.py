@@ -8,6 +8,9 @@ at a time. Slow and simple on purpose; use it to check a set-up, never in a step
         ranges_unclipped:  (k <= q and q - k < window) or same_range(q, k)
     where same_range(q, k) holds when one prefix range [start, end) of the sequence
     contains both positions (never, with ``ranges=False``).
+
+An fp8 (e4m3) cache holds K / k_scale[h] and V / v_scale[h] per KV head h, saturated to
++-448 and rounded to nearest even; attention reads K = cache * k_scale[h] (likewise V).
 """
 
 from __future__ import annotations
@@ -19,6 +22,20 @@ import torch
 from .metadata import AttentionMetadata
 
 _ALIASES = {"gemma3": "clip", "gemma4": "clip"}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[..., Hkv, D] float values as e4m3 codes of x / scale[h] (saturated)."""
+    return (x.float() / scale.float().to(x.device)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """float64 values of a cache slice [..., Hkv, D]: codes * scale[h] for fp8, as is otherwise."""
+    if codes.dtype != FP8:
+        return codes.double()
+    return codes.double() * scale.double().to(codes.device)[:, None]
 
 
 def attention_mask(seq_len: int, q_len: int, prefix_ranges, *, window: int | None = None,
@@ -56,7 +73,8 @@ def gather_kv(cache: torch.Tensor, block_ids, seq_len: int) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     *, scale: float | None = None, window: int | None = None, window_rule: str = "clip",
-                    ranges: bool = True, softcap: float | None = None) -> torch.Tensor:
+                    ranges: bool = True, softcap: float | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Float64 [num_tokens, Hq, D] CPU output of the step's tokens (rows past the step's token
     count are not returned). Same arguments and semantics as ``graphrt.kernels.paged_attention``."""
     dev = k_cache.device             # computed where the cache lives: a cache can be GBs
@@ -76,8 +94,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             continue
         mask = attention_mask(seq_len, q1 - q0, prefix_ranges[i].tolist(), window=window, window_rule=window_rule,
                               ranges=ranges).to(dev)
-        k = gather_kv(k_cache.detach(), block_table[i], seq_len).double()     # [L, Hkv, D]
-        v = gather_kv(v_cache.detach(), block_table[i], seq_len).double()
+        k = dequantize(gather_kv(k_cache.detach(), block_table[i], seq_len), k_scale)     # [L, Hkv, D]
+        v = dequantize(gather_kv(v_cache.detach(), block_table[i], seq_len), v_scale)
         # Query head h reads KV head h // qpk: view the query heads as [Hkv, qpk].
         qg = q64[q0:q1].reshape(q1 - q0, num_kv_heads, qpk, head_dim)
         s = torch.einsum("qgpd,kgd->gpqk", qg, k).reshape(num_q_heads, q1 - q0, seq_len) * scale
@@ -90,11 +108,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """In-place cache write with the same contract as ``graphrt.kernels.write_kv``."""
     block_size = k_cache.shape[1]
     slots = slot_mapping[: k.shape[0]].to(k_cache.device).long()
     keep = (slots >= 0) & (slots < k_cache.shape[0] * block_size)     # outside the cache: skipped
     blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    if k_cache.dtype == FP8:
+        k_cache[blocks, offsets] = quantize(k[keep].to(k_cache.device), k_scale)
+        v_cache[blocks, offsets] = quantize(v[keep].to(v_cache.device), v_scale)
+    else:
+        k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+        v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
