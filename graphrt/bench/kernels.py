@@ -1,6 +1,7 @@
 """Kernel throughput, timed as CUDA graph replays, beside ceilings measured in the same run.
 
-decode:   KV bytes read / time, against the device-to-device copy bandwidth (read + write).
+decode:   KV bytes read / time, against the device-to-device copy bandwidth (read + write);
+          also with an fp8 (e4m3) cache, as time against the bf16 cache's (``of_bf16``).
 prefill:  attention TFLOP/s (4 * heads * head_dim * visible (q, k) pairs), against the
           bf16 matmul rate; torch SDPA (causal) and compiled flex_attention beside it.
 mixed:    4 fresh 512-token prefills + 60 decodes at 4k in one launch, against the sum of
@@ -65,22 +66,26 @@ def make_meta(q_lens, ctx_lens, ranges):
     return meta, int(per.sum())
 
 
-def _caches(nblk: int):
+def _caches(nblk: int, fp8: bool = False):
     kc = torch.empty(nblk, BS, HKV, D, device=DEV, dtype=DT).normal_()
-    return kc, torch.empty_like(kc).normal_()
+    vc = torch.empty_like(kc).normal_()
+    if fp8:
+        return kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    return kc, vc
 
 
-def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50):
+def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50, fp8: bool = False):
     from graphrt.kernels import decode_splits, paged_attention, split_workspace
 
     meta, nblk = make_meta(q_lens, ctx_lens, ranges)
-    kc, vc = _caches(nblk)
+    kc, vc = _caches(nblk, fp8)
+    scales = dict(k_scale=torch.ones(HKV, device=DEV), v_scale=torch.ones(HKV, device=DEV)) if fp8 else {}
     q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=DT)
     out = torch.empty_like(q)
     splits = decode_splits(len(q_lens), HKV, DEV) if decode else 1
     ws = split_workspace(q.shape[0], HQ, D, splits, DEV) if splits > 1 else None
     ms = time_ms(lambda: paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws,
-                                         max_query_len=1 if decode else None), iters=iters)
+                                         max_query_len=1 if decode else None, **scales), iters=iters)
     return ms, splits
 
 
@@ -91,6 +96,10 @@ def bench_decode(rows, env, batches, contexts, quiet):
             tbps = 2 * batch * ctx * HKV * D * DT.itemsize / ms / 1e9
             rows.append(dict(bench="decode", impl="graphrt", batch=batch, context=ctx, splits=splits, ms=ms,
                              tbps=tbps, of_copy=tbps / env["copy_tbps"]))
+            ms8, _ = _attend([1] * batch, [ctx - 1] * batch, [[]] * batch, decode=True, fp8=True)
+            tbps8 = 2 * batch * ctx * HKV * D / ms8 / 1e9            # one byte an element
+            rows.append(dict(bench="decode", impl="graphrt_fp8", batch=batch, context=ctx, splits=splits, ms=ms8,
+                             tbps=tbps8, of_copy=tbps8 / env["copy_tbps"], of_bf16=ms8 / ms))
 
 
 def causal_pairs(n: int, ranges=()) -> int:
@@ -162,8 +171,10 @@ def report(rows: list[dict], env: dict) -> None:
     print(f"ceilings: copy {env['copy_tbps']:.2f} TB/s, matmul {env['matmul_tflops']:.0f} TFLOP/s")
     for r in rows:
         if r["bench"] == "decode":
-            print(f"decode   batch={r['batch']:4d} ctx={r['context']:6d} splits={r['splits']:2d}: {1e3 * r['ms']:9.1f} us "
-                  f"{r['tbps']:5.2f} TB/s = {r['of_copy']:.2f} x copy")
+            fp8 = f" = {r['of_bf16']:.2f} x the {str(DT)[6:]} cache's time" if "of_bf16" in r else ""
+            print(f"decode {'fp8 ' if 'of_bf16' in r else '    '}batch={r['batch']:4d} ctx={r['context']:6d} "
+                  f"splits={r['splits']:2d}: {1e3 * r['ms']:9.1f} us {r['tbps']:5.2f} TB/s = {r['of_copy']:.2f} x copy"
+                  f"{fp8}")
         elif r["bench"].startswith("prefill"):
             print(f"{r['bench']:15s} {r['impl']:8s} tokens={r['tokens']:6d}: {r['ms']:8.3f} ms {r['tflops']:6.1f} "
                   f"TFLOP/s = {r['of_matmul']:.2f} x matmul")
@@ -175,7 +186,7 @@ def report(rows: list[dict], env: dict) -> None:
 def _plot(rows: list[dict], env: dict, path: Path) -> None:
     """Decode TB/s against the copy ceiling, prefill TFLOP/s against the matmul rate;
     ``env`` is the run's JSON env (gpu name and the ceilings)."""
-    dec = [r for r in rows if r["bench"] == "decode"]
+    dec = [r for r in rows if r["bench"] == "decode" and r["impl"] == "graphrt"]
     series = {}
     for ctx in sorted({r["context"] for r in dec}):
         pts = sorted((r["batch"], r["tbps"]) for r in dec if r["context"] == ctx)
