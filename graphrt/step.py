@@ -91,9 +91,11 @@ class Step:
             ranges, rcounts = np.zeros((n, 0, 2), np.int64), np.zeros(n, np.int64)
         else:
             ranges = np.asarray(prefix_ranges, dtype=np.int64).reshape(n, -1, 2)
-            rcounts = (np.asarray(range_counts, dtype=np.int64).reshape(n) if range_counts is not None
-                       else (ranges[:, :, 1] > ranges[:, :, 0]).sum(axis=1))
-            ranges = np.where((np.arange(ranges.shape[1]) < rcounts[:, None])[:, :, None], ranges, 0)  # unused: empty
+            if range_counts is None:      # the non-empty ranges (first in each row, or validate refuses)
+                rcounts = np.count_nonzero(ranges[:, :, 1] > ranges[:, :, 0], axis=1)
+            else:                         # slots past the counts may hold anything: make them empty
+                rcounts = np.asarray(range_counts, dtype=np.int64).reshape(n)
+                ranges = np.where((np.arange(ranges.shape[1]) < rcounts[:, None])[:, :, None], ranges, 0)
         step = cls.__new__(cls)
         step._set(q.astype(np.int64), c.astype(np.int64), table.astype(np.int64, copy=False), counts, ranges, rcounts)
         return step
@@ -107,7 +109,9 @@ class Step:
         self.range_counts = range_counts      # [n] ranges per sequence
         self.seq_lens = context_lens + q_lens
         self.num_tokens = int(q_lens.sum())
-        self.is_decode = bool(q_lens.max(initial=0) == 1 and q_lens.min(initial=1) == 1)
+        # one new token each: once validate has checked every q_len >= 1, a total of n tokens
+        # means exactly that (before validate it may be wrong for an invalid step)
+        self.is_decode = self.num_tokens == q_lens.shape[0]
         # block-table columns in use (what the runtime copies); validate() narrows it when
         # from_arrays left the counts to be derived
         self.block_columns = int(block_counts.max(initial=0)) if block_counts is not None else block_table.shape[1]
@@ -174,7 +178,7 @@ class Step:
               and self.seq_lens.max() <= cfg.max_model_len
               and (self.block_counts * cfg.block_size >= self.seq_lens).all()
               and self.block_counts.max() <= min(cfg.max_blocks_per_seq, table.shape[1])
-              and (table.size == 0 or (table.min() >= 0 and table.max() < cfg.num_blocks))
+              and (table.size == 0 or table.view(np.uint64).max() < cfg.num_blocks)
               and self.range_counts.max() <= cfg.max_prefix_ranges)
         if ok and r.shape[1]:
             used = np.arange(r.shape[1]) < self.range_counts[:, None]          # [n, R]
@@ -194,7 +198,7 @@ class Step:
         limit, bs = min(cfg.max_blocks_per_seq, table.shape[1]), cfg.block_size
         if any(b * bs < s or b > limit for b, s in zip(counts, sl)):
             return False
-        if table.size and (table.min() < 0 or table.max() >= cfg.num_blocks):
+        if table.size and table.view(np.uint64).max() >= cfg.num_blocks:     # negatives wrap past any limit
             return False
         if self.ranges.shape[1] and max(rcounts) > 0:
             for row, k, seq_len in zip(self.ranges.tolist(), rcounts, sl):
@@ -239,8 +243,11 @@ class Step:
         """
         n, total = self.num_seqs, self.num_tokens
         qsl = query_start_loc
-        qsl[0] = 0
-        np.cumsum(self.q_lens, out=qsl[1 : n + 1])
+        if self.is_decode:            # 0, 1, ..., n (np.cumsum costs several us on a few items)
+            qsl[: n + 1] = _ARANGE[: n + 1] if n < _ARANGE.shape[0] else np.arange(n + 1)
+        else:
+            qsl[0] = 0
+            np.cumsum(self.q_lens, out=qsl[1 : n + 1])
         qsl[n + 1 :] = total
         seq_lens[:n] = self.seq_lens
         seq_lens[n:] = 0
@@ -266,6 +273,7 @@ class Step:
 
 
 _SMALL_STEP = 16      # sequences up to which Step.validate checks in Python rather than numpy
+_ARANGE = np.arange(4097)
 
 
 def _padded(rows: list, item_shape: tuple, name: str) -> tuple[np.ndarray, np.ndarray]:
