@@ -33,3 +33,15 @@ def test_bench_quick(name, tmp_path):
         assert 1 in {r["layers"] for r in data["rows"]}, "no one-layer row"
     if name == "step":
         assert {r["impl"] for r in data["rows"]} >= {"per_layer_rebuild", "per_step_rebuild", "graphrt_eager"}
+
+
+def test_host_pieces_script(tmp_path):
+    """benchmarks/host_pieces.py (the per-piece host breakdown) keeps running."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "host_pieces.py"
+    run = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    rows = json.loads((tmp_path / "host_pieces_quick.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["from_arrays_us"] > 0 and r["pack_us"] > 0 and r["step_us"] > 0 for r in rows)
