@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import tempfile
 import time
@@ -72,6 +73,24 @@ def progress(items, desc: str, quiet: bool = False):
     from tqdm import tqdm
 
     return tqdm(items, desc=desc, disable=quiet, leave=False, dynamic_ncols=True)
+
+
+def host_median_us(fn, reps: int, sync) -> float:
+    """Median host µs of one call of ``fn`` over ``reps`` calls after 20 warm-up calls;
+    ``sync()`` (the GPU's synchronize, or nothing) every 50 calls keeps queued GPU work
+    from making the host wait inside ``fn``."""
+    for _ in range(20):
+        fn()
+    sync()
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if i % 50 == 49:
+            sync()
+    sync()
+    return 1e6 * statistics.median(times)
 
 
 def time_ms(fn, *, iters: int = 50, graph: bool = True) -> float:
