@@ -266,7 +266,7 @@ def test_custom_ops_check_like_the_launchers(device):
     assert bool((k_cache[untouched] == SENTINEL).all()), "slot 64 (past the cache) was written somewhere"
 
 
-def test_bf16_under_the_interpreter_is_correct(device):
+def test_bf16_matches_the_reference_on_any_device(device):
     """bf16 on CPU (the interpreter's bf16 tl.dot is wrong: the kernel takes fp32 dots
     there) agrees with the reference as closely as on the GPU."""
     seed = fresh_seed()
