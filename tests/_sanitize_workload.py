@@ -58,6 +58,18 @@ def kernels(small: bool = False) -> int:
                 else:
                     paged_attention(q, kc, vc, out, meta, num_splits=splits, **opts)
                 launches += 1
+    # an fp8 cache: quantizing write, dequantizing attention (bf16 queries)
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=40, max_ranges=2, rng=rng, device=dev, num_seqs=7,
+                         num_tokens=total + 5)
+    kc = torch.zeros(40, 16, 2, 128, device=dev, dtype=torch.float8_e4m3fn)
+    vc = torch.zeros_like(kc)
+    scale = torch.full((2,), 0.01, device=dev)
+    q = torch.randn(total + 5, 8, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(total + 5, 2, 128, device=dev, dtype=torch.bfloat16)
+    write_kv(k, k, kc, vc, meta, k_scale=scale, v_scale=scale)
+    for splits in (1, 3):
+        paged_attention(q, kc, vc, torch.empty_like(q), meta, num_splits=splits, k_scale=scale, v_scale=scale)
+    launches += 3
     # metadata holding arbitrary values: the kernels must stay inside their tensors
     for trial in range(24):
         s, t, w, r = (int(rng.integers(1, 5)), int(rng.integers(1, 40)), int(rng.integers(1, 6)),
