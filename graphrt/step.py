@@ -256,12 +256,9 @@ class Step:
         prefix_ranges[:n] = 0
         r = min(self.ranges.shape[1], prefix_ranges.shape[1])      # slots past the counts are empty
         prefix_ranges[:n, :r] = self.ranges[:, :r]
-        if self.is_decode:
+        if self.is_decode and self._decode_slots is not None and self._decode_slots[0] == block_size:
             pos = self.context_lens
-            if self._decode_slots is not None and self._decode_slots[0] == block_size:
-                slot_mapping[:total] = self._decode_slots[1]          # computed by validate
-            else:
-                slot_mapping[:total] = self.block_table[np.arange(n), pos // block_size] * block_size + pos % block_size
+            slot_mapping[:total] = self._decode_slots[1]          # computed by validate's block check
         else:
             tok_seq = np.repeat(np.arange(n), self.q_lens)                        # [total]
             pos = self.context_lens[tok_seq] + np.arange(total) - qsl[tok_seq]
