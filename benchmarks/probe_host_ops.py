@@ -1,0 +1,115 @@
+"""What the host's elementary operations cost on this machine, and where ``rt.step``'s
+host time goes (a profile of the whole call): the facts behind the host-path work.
+
+    python benchmarks/probe_host_ops.py [--out DIR]
+
+Prints the median µs of single numpy / torch / CUDA-runtime operations of the kinds the
+step path uses (each timed alone, many times), then ``cProfile``'s per-function totals over
+2000 ``rt.step`` calls of a one-layer toy model at batch 1 and 256 (profiling inflates
+small calls; read the shares, not the absolute figures). Writes ``probe_host_ops.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from graphrt.bench.common import decode_arrays, env, host_median_us
+
+
+def elementary(reps: int) -> dict:
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    a = np.arange(256, dtype=np.int64)
+    b = np.zeros(256, np.int64)
+    pinned = torch.zeros(1 << 16, dtype=torch.uint8, pin_memory=cuda)
+    arena = torch.zeros(1 << 16, dtype=torch.uint8, device=dev)
+    ops = {
+        "python_call": lambda: None,
+        "np_asarray": lambda: np.asarray(a),
+        "np_astype_copy_false": lambda: a.astype(np.int64, copy=False),
+        "np_sum": lambda: a.sum(),
+        "np_slice_assign": lambda: b.__setitem__(slice(0, 256), a),
+        "np_cumsum": lambda: np.cumsum(a),
+        "np_tolist_256": lambda: a.tolist(),
+        "torch_slice": lambda: arena[:4096],
+        "torch_data_ptr": lambda: arena.data_ptr(),
+        "torch_copy_h2d_4k": lambda: arena[:4096].copy_(pinned[:4096], non_blocking=True),
+    }
+    if cuda:
+        event = torch.cuda.Event()
+        stream = torch.cuda.current_stream()
+        ops["cuda_current_stream"] = torch.cuda.current_stream
+        ops["cuda_event_record"] = event.record
+        ops["cuda_event_record_stream"] = lambda: event.record(stream)
+        ops["cuda_event_query"] = event.query
+        g = torch.cuda.CUDAGraph()
+        x = torch.zeros(16, device=dev)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            x.add_(1)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            x.add_(1)
+        ops["cuda_graph_replay_1node"] = g.replay
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    return {name: host_median_us(fn, reps, sync) for name, fn in ops.items()}
+
+
+def profile_steps(layers: int, batch: int, calls: int) -> str:
+    from graphrt import Runtime, RuntimeConfig, Step
+    from graphrt.toy import ToyModel
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    cfg = RuntimeConfig(num_q_heads=32 if cuda else 4, num_kv_heads=8 if cuda else 2, head_dim=128 if cuda else 32,
+                        block_size=16, num_blocks=batch * 72, max_num_seqs=batch, max_num_tokens=batch * 2,
+                        max_model_len=1024 + 64, max_prefix_ranges=8,
+                        dtype=torch.bfloat16 if cuda else torch.float32)
+    model = ToyModel(cfg, num_layers=layers, hidden=1024 if cuda else 32, vocab=1024, device=device)
+    rt = Runtime(cfg, model, num_layers=layers, device=device)
+    rt.capture(decode_buckets=[batch], mixed_buckets=[cfg.max_num_tokens], quiet=True)
+    arrays = decode_arrays(batch, 1024 if cuda else 48, cfg.block_size)
+    ids = np.arange(batch) % 1000
+    for _ in range(20):
+        rt.step(Step.from_arrays(**arrays), ids)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(calls):
+        rt.step(Step.from_arrays(**arrays), ids)
+        if cuda and i % 50 == 49:
+            torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(28)
+    return text.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    ops = elementary(2000)
+    for name, us in ops.items():
+        print(f"{name:28s} {us:7.2f} us")
+    profiles = {}
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        print("no CUDA device: steps would run eagerly through the interpreter, so no step profile")
+    for layers, batch in ((1, 1), (1, 256)) if cuda else ():
+        text = profile_steps(layers, batch, 2000)
+        profiles[f"L{layers}_b{batch}"] = text
+        print(f"--- cProfile, {layers} layer(s), batch {batch}, tottime order\n{text}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "probe_host_ops.json").write_text(json.dumps(dict(env=env(), ops_us=ops, profiles=profiles), indent=1))
+
+
+if __name__ == "__main__":
+    main()
