@@ -25,12 +25,17 @@ from pathlib import Path
 KEYS = ("bench", "impl", "layers", "batch", "context", "nvtx", "tokens", "cache", "bucket", "prefills", "decodes")
 
 
-def importable(tree: Path, scratch: Path) -> Path:
-    """A directory whose ``graphrt`` package is ``tree``'s, kernels and capture included."""
+def importable(tree: Path, scratch: Path, harness: Path | None = None) -> Path:
+    """A directory whose ``graphrt`` package is ``tree``'s, kernels and capture included,
+    with ``harness``'s ``graphrt/bench`` in place of the tree's own when given."""
     root = scratch / "site"
     shutil.copytree(tree / "graphrt", root / "graphrt", ignore=shutil.ignore_patterns("__pycache__"))
     for sub in ("kernels", "capture"):
         shutil.copytree(tree / sub, root / "graphrt" / sub, ignore=shutil.ignore_patterns("__pycache__"))
+    if harness is not None:
+        shutil.rmtree(root / "graphrt" / "bench")
+        shutil.copytree(harness / "graphrt" / "bench", root / "graphrt" / "bench",
+                        ignore=shutil.ignore_patterns("__pycache__"))
     return root
 
 
@@ -46,12 +51,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--which", default="runtime", help="one graphrt bench name")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--harness", choices=("own", "a"), default="own",
+                        help="own: each tree runs its own graphrt/bench; a: both run A's (one measuring "
+                             "harness for both, where B's runtime API allows it)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     labels = args.labels.split(",")
     runs: dict[str, list[list[dict]]] = {label: [] for label in labels}
     with tempfile.TemporaryDirectory() as tmp:
-        sites = {label: importable(tree.resolve(), Path(tmp) / label) for label, tree in zip(labels, (args.a, args.b))}
+        harness = args.a.resolve() if args.harness == "a" else None
+        sites = {label: importable(tree.resolve(), Path(tmp) / label, harness)
+                 for label, tree in zip(labels, (args.a, args.b))}
         for r in range(args.rounds):
             for label in labels:
                 out = args.out / f"{label}_{r}"
@@ -80,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
                 row[f"{field}_{a}_over_{b}"] = row[f"{field}_{a}"] / vb
         rows.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"ab_{args.which}.json").write_text(json.dumps(dict(a=a, b=b, rounds=args.rounds, rows=rows), indent=1))
+    (args.out / f"ab_{args.which}.json").write_text(json.dumps(dict(a=a, b=b, rounds=args.rounds, harness=args.harness,
+                                                                    rows=rows), indent=1))
     for row in rows:
         ratios = "  ".join(f"{k.split('_' + a)[0]} {v:.3f}" for k, v in row.items() if k.endswith(f"_over_{b}"))
         print(" ".join(f"{k}={v}" for k, v in row.items() if k in KEYS), "|", ratios)

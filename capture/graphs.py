@@ -65,9 +65,9 @@ def _asked_bytes(oom: torch.OutOfMemoryError) -> int | None:
 class GraphSet:
     """Owns the graphs. ``guard`` names every tensor the graphs read by address (caches,
     arena, weights): a replay after any of them was replaced or reallocated is refused.
-    ``fast_guard``, when given, returns the same tensors in the same order without names;
-    each step compares their addresses, and only a mismatch pays for ``guard`` to name
-    what moved."""
+    ``fast_guard``, when given, returns the same tensors in the same order without names
+    (None, or anything else not a tensor, where one is gone); each step compares their
+    addresses, and only a mismatch pays for ``guard`` to name what moved."""
 
     def __init__(self, guard: GuardFn, fast_guard: FastGuardFn | None = None):
         self.graphs: dict[Bucket, CapturedGraph] = {}
@@ -79,7 +79,10 @@ class GraphSet:
 
     def _guard_holds(self) -> bool:
         if self._fast_guard is not None:
-            return list(map(torch.Tensor.data_ptr, self._fast_guard())) == self._addresses
+            try:
+                return list(map(torch.Tensor.data_ptr, self._fast_guard())) == self._addresses
+            except TypeError:           # an entry that is no tensor (a deleted weight): not as captured
+                return False
         return [t.data_ptr() for _, t in self._guard()] == self._addresses
 
     def check_guard(self) -> None:

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("which", nargs="*", default=[], help="step, kernels, runtime, capture, soak, parallel (default: all)")
     bench.add_argument("--quick", action="store_true", help="tiny sizes; on CPU always")
     bench.add_argument("--no-flex", action="store_true", help="skip compiled flex_attention in kernels")
+    bench.add_argument("--only", default=None, help="kernels: a comma-separated subset of decode,prefill,mixed")
     bench.add_argument("--out", type=Path, default=None)
     prof = sub.add_parser("profile", help="profile decode steps of the toy model: trace + per-step GPU figures")
     prof.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -87,7 +88,9 @@ def _bench(args) -> int:
     for name in which:
         module = importlib.import_module(f"graphrt.bench.{name}")
         print(f"== {name}", flush=True)
-        kwargs = dict(flex=not args.no_flex) if name == "kernels" else {}
+        kwargs = {}
+        if name == "kernels":
+            kwargs = dict(flex=not args.no_flex, only=set(args.only.split(",")) if args.only else None)
         module.run(quick=args.quick, out=out, **kwargs)
     return 0
 

@@ -166,6 +166,7 @@ class Runtime:
         self.tracer = Tracer(nvtx)
         self.graphs = GraphSet(self._guarded, self._guarded_fast) if self.device.type == "cuda" else None
         self._weight_slots: list[tuple[str, dict, str]] | None = None
+        self._weight_lookup: tuple[list[dict], list[str]] | None = None   # owners and keys of _weight_slots
         self.last: StepInfo | None = None
         self._layouts: dict[Bucket, Layout] = {}
         self._contexts: dict[Bucket, StepContext] = {}
@@ -200,7 +201,7 @@ class Runtime:
         memory (and the bytes asked for); the other buckets are captured and usable."""
         if self.graphs is None:
             return []
-        self._weight_slots = None             # the model may have changed since the last capture
+        self._weight_slots = self._weight_lookup = None     # the model may have changed since the last capture
         cfg = self.cfg
         default_decode, default_mixed = default_buckets(cfg.max_num_seqs, cfg.max_num_tokens)
         buckets = make_buckets(list(default_decode if decode_buckets is None else decode_buckets),
@@ -259,8 +260,13 @@ class Runtime:
     def _guarded_fast(self) -> list[torch.Tensor]:
         embeds = [self.buffers.inputs_embeds] if self.buffers.inputs_embeds is not None else []
         scales = [self.k_scales, self.v_scales] if self.k_scales is not None else []
+        if self._weight_lookup is None:
+            slots = self._weights()
+            self._weight_lookup = ([owner for _, owner, _ in slots], [key for _, _, key in slots])
+        # one C-level pass (dict.get over the owners and keys); a deleted weight shows as None,
+        # which the guard's address pass refuses (TypeError) and the named pass reports
         return [self.buffers.arena, *embeds, *self.k_caches, *self.v_caches, *scales,
-                *[_weight(owner, key) for _, owner, key in self._weights()]]
+                *map(dict.get, *self._weight_lookup)]
 
     # ---------------------------------------------------------------- step
     def step(self, step: Step, input_ids: Any = None, *, embeds: torch.Tensor | None = None,
@@ -281,7 +287,7 @@ class Runtime:
         if captured is not None:
             self.graphs.check_guard()
         strict = self.strict and self.device.type == "cuda"
-        sync_mode = _sync_debug_error() if strict else contextlib.nullcontext()
+        sync_mode = _sync_debug_error() if strict else _NULL
         with sync_mode:
             if captured is not None:
                 bucket = captured.bucket
@@ -310,6 +316,7 @@ class Runtime:
         return outputs
 
 
+_NULL = contextlib.nullcontext()
 _MISSING = torch.empty(0)     # stands for a deleted weight: address 0, which nothing captured has
 
 

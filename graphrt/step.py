@@ -88,11 +88,11 @@ class Step:
                              f"{table.shape} must agree on the number of sequences")
         counts = None if block_counts is None else np.asarray(block_counts, dtype=np.int64).reshape(n)
         if prefix_ranges is None:
-            ranges, rcounts = np.zeros((n, 0, 2), np.int64), np.zeros(n, np.int64)
+            ranges, rcounts = np.zeros((n, 0, 2), np.int64), None
         else:
             ranges = np.asarray(prefix_ranges, dtype=np.int64).reshape(n, -1, 2)
-            if range_counts is None:      # the non-empty ranges (first in each row, or validate refuses)
-                rcounts = np.count_nonzero(ranges[:, :, 1] > ranges[:, :, 0], axis=1)
+            if range_counts is None:      # None: the non-empty ranges, counted at validation (first in each row,
+                rcounts = None            # or validate refuses)
             else:                         # slots past the counts may hold anything: make them empty
                 rcounts = np.asarray(range_counts, dtype=np.int64).reshape(n)
                 ranges = np.where((np.arange(ranges.shape[1]) < rcounts[:, None])[:, :, None], ranges, 0)
@@ -104,18 +104,30 @@ class Step:
         self.q_lens = q_lens                  # [n] new tokens
         self.context_lens = context_lens      # [n] cached tokens
         self.block_table = block_table        # [n, W] blocks, rows padded with 0
-        self.block_counts = block_counts      # [n] valid entries per row (None: the needed ones)
+        self.block_counts = block_counts      # [n] valid entries per row (None: the needed ones, derived)
         self.ranges = ranges                  # [n, R, 2] half-open, rows padded with (0, 0)
-        self.range_counts = range_counts      # [n] ranges per sequence
+        self.range_counts = range_counts      # [n] ranges per sequence (None: the non-empty ones, derived)
         self.seq_lens = context_lens + q_lens
-        self.num_tokens = int(q_lens.sum())
+        n = q_lens.shape[0]
+        # a short Python sum beats numpy's reduction on a few items
+        self.num_tokens = sum(q_lens.tolist()) if n <= _SMALL_STEP else int(q_lens.sum())
         # one new token each: once validate has checked every q_len >= 1, a total of n tokens
         # means exactly that (before validate it may be wrong for an invalid step)
-        self.is_decode = self.num_tokens == q_lens.shape[0]
+        self.is_decode = self.num_tokens == n
         # block-table columns in use (what the runtime copies); validate() narrows it when
         # from_arrays left the counts to be derived
         self.block_columns = int(block_counts.max(initial=0)) if block_counts is not None else block_table.shape[1]
-        self._decode_slots: tuple[int, np.ndarray] | None = None   # (block_size, [n] slots), set by validate
+        self._decode_slots: tuple[int, list | np.ndarray] | None = None   # (block_size, [n] slots), set by validate
+
+    def _derive_counts(self, block_size: int) -> None:
+        """Fill in the counts from_arrays left to be derived: each row's needed blocks
+        (ceil(seq_len / block_size)) and its non-empty ranges."""
+        if self.block_counts is None:
+            self.block_counts = -(-self.seq_lens // block_size)
+        if self.range_counts is None:
+            r = self.ranges
+            self.range_counts = (np.count_nonzero(r[:, :, 1] > r[:, :, 0], axis=1) if r.shape[1]
+                                 else np.zeros(r.shape[0], np.int64))
 
     @property
     def num_seqs(self) -> int:
@@ -123,17 +135,40 @@ class Step:
 
     def validate(self, cfg: RuntimeConfig) -> None:
         """Raise ValueError naming the sequence (and range) that breaks a limit of ``cfg``.
-        One pass of cheap checks; the messages come from ``_diagnose`` on failure."""
+        One pass of cheap checks (in Python for a few sequences, as array reductions for
+        many); the messages come from ``_diagnose`` on failure."""
         n = self.num_seqs
         if not 1 <= n <= cfg.max_num_seqs:
             raise ValueError(f"Step has {n} sequences; allowed 1..max_num_seqs={cfg.max_num_seqs}")
-        if self.block_counts is None:
-            self.block_counts = -(-self.seq_lens // cfg.block_size)
-        ok = self._checks_small(cfg) if n <= _SMALL_STEP else self._checks_numpy(cfg)
-        if not ok:
-            self._diagnose(cfg)     # raises, unless the fast checks were only conservative
+        if n <= _SMALL_STEP:
+            counts = self._checks_small(cfg)
+            if counts is None:
+                self._diagnose(cfg)     # raises, unless the fast checks were only conservative
+                counts = self.block_counts.tolist()
+            if not self._written_blocks_distinct_small(cfg.block_size):
+                self._check_written_blocks(cfg.block_size)      # raises, naming the block
+            self.block_columns = max(counts)
+            return
+        self._derive_counts(cfg.block_size)
+        if not self._checks_numpy(cfg):
+            self._diagnose(cfg)
         self._check_written_blocks(cfg.block_size)
         self.block_columns = int(self.block_counts.max())
+
+    def _written_blocks_distinct_small(self, block_size: int) -> bool:
+        """``_check_written_blocks``'s test in Python for a few sequences: True when the
+        blocks that the new tokens write are distinct; for a decode it keeps each token's
+        cache slot for ``pack``."""
+        table, c = self.block_table, self.context_lens.tolist()
+        n = len(c)
+        if self.is_decode:
+            blocks = [table.item(i, ci // block_size) for i, ci in enumerate(c)]
+            self._decode_slots = (block_size, [b * block_size + ci % block_size for b, ci in zip(blocks, c)])
+            return n == 1 or len(set(blocks)) == n
+        blocks = []
+        for i, (ci, si) in enumerate(zip(c, self.seq_lens.tolist())):
+            blocks += table[i, ci // block_size: (si - 1) // block_size + 1].tolist()
+        return len(set(blocks)) == len(blocks)
 
     def _check_written_blocks(self, block_size: int) -> None:
         """Raise ValueError unless the cache blocks that this step's new tokens write are all
@@ -143,9 +178,10 @@ class Step:
         appear in any number of sequences; they are not looked at here."""
         n, table = self.num_seqs, self.block_table
         if self.is_decode:              # one block each: the one holding position context_len
-            owner, cols = np.arange(n), self.context_lens // block_size
+            owner = _arange(n)
+            cols, offsets = np.divmod(self.context_lens, block_size)
             blocks = table[owner, cols]
-            self._decode_slots = (block_size, blocks * block_size + self.context_lens % block_size)   # for pack
+            self._decode_slots = (block_size, blocks * block_size + offsets)   # for pack
             if n == 1:
                 return
         else:
@@ -172,44 +208,61 @@ class Step:
 
     def _checks_numpy(self, cfg: RuntimeConfig) -> bool:
         """Every limit at once, as array reductions (cheapest for many sequences)."""
-        table = self.block_table
-        r = self.ranges
+        derived = self.block_counts is None      # then each row has exactly the blocks it needs
+        self._derive_counts(cfg.block_size)
+        table, counts = self.block_table, self.block_counts
         ok = (self.q_lens.min() >= 1 and self.context_lens.min() >= 0 and self.num_tokens <= cfg.max_num_tokens
               and self.seq_lens.max() <= cfg.max_model_len
-              and (self.block_counts * cfg.block_size >= self.seq_lens).all()
-              and self.block_counts.max() <= min(cfg.max_blocks_per_seq, table.shape[1])
+              and (derived or (counts * cfg.block_size >= self.seq_lens).all())
+              and counts.max() <= min(cfg.max_blocks_per_seq, table.shape[1])
               and (table.size == 0 or table.view(np.uint64).max() < cfg.num_blocks)
               and self.range_counts.max() <= cfg.max_prefix_ranges)
+        r = self.ranges
         if ok and r.shape[1]:
-            used = np.arange(r.shape[1]) < self.range_counts[:, None]          # [n, R]
+            # a used range (the first range_counts of its row) must satisfy
+            # previous end (0 for the first) <= start < end <= seq_len
             s, e = r[:, :, 0], r[:, :, 1]
-            ok = bool(((e > s) & (s >= 0) & (e <= self.seq_lens[:, None]) | ~used).all()
-                      and ((s[:, 1:] >= e[:, :-1]) | ~used[:, 1:]).all())
+            prev = np.zeros_like(e)
+            prev[:, 1:] = e[:, :-1]
+            bad = (s < prev) | (e <= s) | (e > self.seq_lens[:, None])
+            used = _arange(r.shape[1]) < self.range_counts[:, None]
+            ok = not (bad & used).any()
         return bool(ok)
 
-    def _checks_small(self, cfg: RuntimeConfig) -> bool:
+    def _checks_small(self, cfg: RuntimeConfig) -> list[int] | None:
         """The same limits as ``_checks_numpy``, in Python over a few sequences (each numpy
-        call costs ~1 us, more than a short loop); the block table stays with numpy."""
+        call costs ~1 us, more than a short loop); the block table stays with numpy.
+        Returns the block counts (derived ones included) when every check passes, else None."""
         q, c, sl = self.q_lens.tolist(), self.context_lens.tolist(), self.seq_lens.tolist()
-        counts, rcounts, table = self.block_counts.tolist(), self.range_counts.tolist(), self.block_table
+        bs = cfg.block_size
+        counts = self.block_counts.tolist() if self.block_counts is not None else [-(-s // bs) for s in sl]
+        table, ranges = self.block_table, self.ranges
+        rows = ranges.tolist() if ranges.shape[1] else None
+        if self.range_counts is not None:
+            rcounts = self.range_counts.tolist()
+        elif rows is None:
+            rcounts = [0] * len(q)
+        else:                         # the non-empty ranges, as from_arrays documents
+            rcounts = [sum(e > s for s, e in row) for row in rows]
         if (min(q) < 1 or min(c) < 0 or self.num_tokens > cfg.max_num_tokens or max(sl) > cfg.max_model_len
                 or max(rcounts) > cfg.max_prefix_ranges):
-            return False
-        limit, bs = min(cfg.max_blocks_per_seq, table.shape[1]), cfg.block_size
+            return None
+        limit = min(cfg.max_blocks_per_seq, table.shape[1])
         if any(b * bs < s or b > limit for b, s in zip(counts, sl)):
-            return False
+            return None
         if table.size and table.view(np.uint64).max() >= cfg.num_blocks:     # negatives wrap past any limit
-            return False
-        if self.ranges.shape[1] and max(rcounts) > 0:
-            for row, k, seq_len in zip(self.ranges.tolist(), rcounts, sl):
+            return None
+        if rows is not None and max(rcounts) > 0:
+            for row, k, seq_len in zip(rows, rcounts, sl):
                 prev_end = 0                  # a range starts at >= 0 and at >= the previous one's end
                 for start, end in row[:k]:
                     if not prev_end <= start < end <= seq_len:
-                        return False
+                        return None
                     prev_end = end
-        return True
+        return counts
 
     def _diagnose(self, cfg: RuntimeConfig) -> None:
+        self._derive_counts(cfg.block_size)
         _first_bad(self.q_lens < 1, "q_len must be >= 1, got {}", self.q_lens)
         _first_bad(self.context_lens < 0, "context_len must be >= 0, got {}", self.context_lens)
         if self.num_tokens > cfg.max_num_tokens:
@@ -244,18 +297,26 @@ class Step:
         n, total = self.num_seqs, self.num_tokens
         qsl = query_start_loc
         if self.is_decode:            # 0, 1, ..., n (np.cumsum costs several us on a few items)
-            qsl[: n + 1] = _ARANGE[: n + 1] if n < _ARANGE.shape[0] else np.arange(n + 1)
+            qsl[: n + 1] = _arange(n + 1)
         else:
             qsl[0] = 0
             np.cumsum(self.q_lens, out=qsl[1 : n + 1])
-        qsl[n + 1 :] = total
+        # padding (each assignment is skipped where the step fills the bucket: ~0.3 us each)
+        if qsl.shape[0] > n + 1:
+            qsl[n + 1 :] = total
         seq_lens[:n] = self.seq_lens
-        seq_lens[n:] = 0
+        if seq_lens.shape[0] > n:
+            seq_lens[n:] = 0
         w = self.block_columns
         block_table[:n, :w] = self.block_table[:, :w]
-        prefix_ranges[:n] = 0
-        r = min(self.ranges.shape[1], prefix_ranges.shape[1])      # slots past the counts are empty
-        prefix_ranges[:n, :r] = self.ranges[:, :r]
+        ranges = self.ranges
+        if ranges.shape[1] == prefix_ranges.shape[1]:
+            prefix_ranges[:n] = ranges
+        else:
+            prefix_ranges[:n] = 0
+            r = min(ranges.shape[1], prefix_ranges.shape[1])      # slots past the counts are empty
+            if r:
+                prefix_ranges[:n, :r] = ranges[:, :r]
         if self.is_decode and self._decode_slots is not None and self._decode_slots[0] == block_size:
             pos = self.context_lens
             slot_mapping[:total] = self._decode_slots[1]          # computed by validate's block check
@@ -263,14 +324,21 @@ class Step:
             tok_seq = np.repeat(np.arange(n), self.q_lens)                        # [total]
             pos = self.context_lens[tok_seq] + np.arange(total) - qsl[tok_seq]
             slot_mapping[:total] = self.block_table[tok_seq, pos // block_size] * block_size + pos % block_size
-        slot_mapping[total:] = -1
+        if slot_mapping.shape[0] > total:
+            slot_mapping[total:] = -1
         if positions is not None:
             positions[:total] = pos
-            positions[total:] = 0
+            if positions.shape[0] > total:
+                positions[total:] = 0
 
 
-_SMALL_STEP = 16      # sequences up to which Step.validate checks in Python rather than numpy
+_SMALL_STEP = 32      # sequences up to which Step.validate checks in Python rather than numpy (measured)
 _ARANGE = np.arange(4097)
+
+
+def _arange(k: int) -> np.ndarray:
+    """0, 1, ..., k - 1 (a view of a kept array where it is long enough: np.arange costs ~0.5 us)."""
+    return _ARANGE[:k] if k <= _ARANGE.shape[0] else np.arange(k)
 
 
 def _padded(rows: list, item_shape: tuple, name: str) -> tuple[np.ndarray, np.ndarray]:

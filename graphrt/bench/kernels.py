@@ -205,7 +205,10 @@ def _plot(rows: list[dict], env: dict, path: Path) -> None:
 
 
 def run(*, quick: bool, out: Path, only: set[str] | None = None, flex: bool = True, quiet: bool = False) -> list[dict]:
-    only = only or {"decode", "prefill", "mixed"}
+    parts = {"decode", "prefill", "mixed"}
+    only = only or parts
+    if only - parts:
+        raise ValueError(f"graphrt bench kernels: unknown part(s) {sorted(only - parts)}; choose from {sorted(parts)}")
     env = ceilings(quick)
     rows: list[dict] = []
     small = quick or not CUDA

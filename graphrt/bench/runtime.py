@@ -4,8 +4,10 @@ host_us: host time of rt.step minus any wait for a free staging slot (the host's
 per step; in a GPU-bound loop the ring makes the host wait, which is not its cost);
 gpu_us: GPU time of the step alone (its graph replayed back to back, timed with events;
 CUDA only); wall_us: steady-state time per step over a run of steps, GPU included;
-host_bound: host_us > gpu_us, the cells where the host sets the pace; h2d_bytes: the
-step's one host-to-device copy. The Step is built inside the timed call (from_arrays).
+host_idle_us: host time of one rt.step started on an idle GPU (synchronised before each,
+untimed; CUDA only): the host's own cost with no queued work that a launch could wait
+behind; host_bound: host_us > gpu_us, the cells where the host sets the pace; h2d_bytes:
+the step's one host-to-device copy. The Step is built inside the timed call (from_arrays).
 """
 
 from __future__ import annotations
@@ -63,16 +65,26 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
                 if cuda:
                     torch.cuda.synchronize()
                 wall_us = 1e6 * (time.perf_counter() - t_start) / steps
+                host_idle_us = None
+                if cuda:
+                    idle = []
+                    for _ in range(min(steps, 100)):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        one_step()
+                        idle.append(time.perf_counter() - t0)
+                    host_idle_us = 1e6 * statistics.median(idle)
                 gpu_us = _replay_us(rt, steps) if cuda and rt.last.mode == "replay" else None
                 host_us = 1e6 * statistics.median(host)
                 rows.append(dict(bench="runtime", impl="graphrt_graph" if rt.last.mode == "replay" else "graphrt_eager",
                                  nvtx=nvtx_on, layers=layers, batch=batch, context=context, host_us=host_us,
-                                 gpu_us=gpu_us, wall_us=wall_us, host_bound=None if gpu_us is None else host_us > gpu_us,
+                                 host_idle_us=host_idle_us, gpu_us=gpu_us, wall_us=wall_us, host_bound=None if gpu_us is None else host_us > gpu_us,
                                  h2d_bytes=rt.last.copy_bytes))
     for r in rows:
         gpu = "      -" if r["gpu_us"] is None else f"{r['gpu_us']:7.1f}"
+        idle = "" if r["host_idle_us"] is None else f" (idle GPU {r['host_idle_us']:6.1f})"
         print(f"L={r['layers']:3d} batch={r['batch']:4d} nvtx={'on ' if r['nvtx'] else 'off'} {r['impl']}: "
-              f"host {r['host_us']:7.1f} us  gpu {gpu} us  wall {r['wall_us']:8.1f} us  copy {r['h2d_bytes']} B"
+              f"host {r['host_us']:7.1f}{idle} us  gpu {gpu} us  wall {r['wall_us']:8.1f} us  copy {r['h2d_bytes']} B"
               f"{'  host-bound' if r['host_bound'] else ''}")
     path = write(out, "runtime" if not small else "runtime_quick", rows)
     if not quiet:
