@@ -82,12 +82,13 @@ def _attend_key_tile(
     k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
     if MASKED:
         m_k = k_pos < seq_len
-        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0).to(tl.int64)
+        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0)
     else:
-        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk).to(tl.int64)
+        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk)
     # A block id outside the cache (hand-built metadata) reads the last block instead of
-    # past the cache: garbage in, but never an out-of-bounds access.
-    i_blk = tl.minimum(tl.maximum(i_blk, 0), last_blk)
+    # past the cache: garbage in, but never an out-of-bounds access. One unsigned 32-bit
+    # min does it (a negative id is a huge unsigned one), before the widening to int64.
+    i_blk = tl.minimum(i_blk.to(tl.uint32, bitcast=True), last_blk.to(tl.uint32)).to(tl.int64)
     i_off = k_pos % KV_BLOCK_SIZE
     # K as [HEAD_DIM_PAD, BLOCK_N], V as [BLOCK_N, HEAD_DIM_PAD]
     p_k = k_head_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok)[None, :] + o_d[:, None]
@@ -278,6 +279,17 @@ def _attend_tile(
 
     if KV_FP8:       # K = codes * k_scale: folded into the logit scale; V's scale into the output
         scale_log2e = scale_log2e * tl.load(k_scale_ptr + i_kvh)
+        if q_ptr.dtype.element_ty == tl.bfloat16:
+            # e4m3 -> fp16 is one conversion per two values and exact (e4m3 fits in fp16),
+            # e4m3 -> bf16 goes through fp32: so both dots run in fp16. q goes there scaled
+            # by a power of two (exact) that puts its largest |value| in [2**14, 2**15): no
+            # overflow, and more significand bits than bf16 had. The factor joins the scale.
+            b_qf = b_q.to(tl.float32)
+            q_max = tl.max(tl.max(tl.abs(b_qf), axis=1), axis=0)
+            shift = tl.maximum(((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, -126)
+            q_div = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+            b_q = (b_qf / q_div).to(tl.float16)
+            scale_log2e = scale_log2e * q_div
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)

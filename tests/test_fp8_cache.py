@@ -69,6 +69,31 @@ def test_fp8_cache_matches_reference(dtype, splits, opts, device):
     assert rms < 0.04 and worst < 0.1, f"fp8 cache error: rms {rms:.3g}, worst {worst:.3g} of max |out| (seed={seed})"
 
 
+@pytest.mark.parametrize("magnitude", [1e-7, 1.0, 1e5], ids=["tiny", "unit", "huge"])
+def test_fp8_cache_bf16_query_any_magnitude(magnitude, device):
+    """With an fp8 cache a bf16 query is taken to fp16 for the dots, scaled by a power of
+    two that fits its largest value: queries far outside fp16's range (|q| ~ 1e5) or deep
+    below its subnormals (~1e-7) still match the reference."""
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    total = sum(s.q_len for s in SEQS)
+    meta, _ = build_meta(SEQS, block_size=16, num_blocks=20, max_ranges=1, rng=rng, device=device, num_seqs=6,
+                         num_tokens=total)
+    k_cache = reference.quantize(torch.randn(320, 2, 64, generator=gen).to(device), torch.full((2,), 0.01,
+                                 device=device)).view(20, 16, 2, 64)
+    v_cache = reference.quantize(torch.randn(320, 2, 64, generator=gen).to(device), torch.full((2,), 0.01,
+                                 device=device)).view(20, 16, 2, 64)
+    scales = dict(k_scale=torch.full((2,), 0.01, device=device), v_scale=torch.full((2,), 0.01, device=device))
+    q = (torch.randn(total, 8, 64, generator=gen) * magnitude).to(device, torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    # a scale ~1/magnitude (within the accepted [1e-6, 1e6]) keeps the logits' spread near
+    # unit magnitude's: the softmax stays soft
+    scale = min(0.125 / magnitude, 1e6)
+    paged_attention(q, k_cache, v_cache, out, meta, scale=scale, **scales)
+    ref = reference.paged_attention(q, k_cache, v_cache, meta, scale=scale, **scales)
+    assert_close(f"out (|q| ~ {magnitude:g})", out, ref, *TOL[torch.bfloat16], seed)
+
+
 def test_fp8_write_rounds_like_torch(device):
     """Every e4m3 rounding case (ties, subnormals, saturation, signed zero) as torch's cast."""
     values = torch.cat([torch.linspace(-500, 500, 2003), torch.linspace(-0.03, 0.03, 1001),
