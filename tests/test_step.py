@@ -173,7 +173,7 @@ def test_from_arrays_rejects():
 
 
 def test_small_and_numpy_checks_agree():
-    """validate() checks up to 16 sequences in Python and more with numpy reductions: on
+    """validate() checks up to 32 sequences in Python and more with numpy reductions: on
     random steps, valid and broken in every limit, both give the same verdict."""
     seed = fresh_seed()
     rng, _ = rngs(seed)
@@ -208,3 +208,51 @@ def test_small_and_numpy_checks_agree():
                              f"counts={counts}, ranges={step.ranges.tolist()}, rcounts={rcounts}"
         verdicts.append(big)
     assert 0.05 < np.mean(verdicts) < 0.95, f"the random steps should be both valid and not ({np.mean(verdicts):.2f})"
+
+
+def test_python_and_numpy_paths_validate_and_pack_alike(monkeypatch):
+    """Small steps are validated in Python (derived counts and the written-blocks check
+    included, which also hand pack the decode slots), larger ones with numpy: forced down
+    either path, random steps (decodes and chunks, given and derived counts, repeated
+    blocks now and then) get the same error message or the same packed arrays."""
+    import graphrt.step as step_module
+
+    seed = fresh_seed()
+    rng, _ = rngs(seed)
+    cfg = RuntimeConfig(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=40, max_num_seqs=12,
+                        max_num_tokens=80, max_model_len=120, max_prefix_ranges=3, dtype=torch.float32)
+    outcomes = []
+    for _ in range(400):
+        n = int(rng.integers(1, 13))
+        q = np.ones(n, np.int64) if rng.random() < 0.5 else rng.integers(1, 8, n)
+        c = rng.integers(0, 100, n)
+        need = -(-(q + c) // 16)
+        width = int(need.max()) + int(rng.integers(0, 2))
+        # distinct blocks, or drawn with repeats (then often written twice)
+        table = (rng.permutation(40)[: n * width].reshape(n, width) if n * width <= 40 and rng.random() < 0.6
+                 else rng.integers(0, 40, (n, width)))
+        cuts = np.sort((rng.random((n, 4)) * (q + c)[:, None]).astype(np.int64), axis=1)
+        cuts[:, 1::2] += 1
+        if rng.random() < 0.1:
+            rng.shuffle(cuts, axis=1)
+        kwargs = dict(q_lens=q, context_lens=c, block_table=table, prefix_ranges=cuts.reshape(n, 2, 2))
+        if rng.random() < 0.5:
+            kwargs.update(block_counts=need, range_counts=rng.integers(0, 3, n))
+        results = []
+        for small in (1000, 0):
+            monkeypatch.setattr(step_module, "_SMALL_STEP", small)
+            step = Step.from_arrays(**kwargs)
+            try:
+                step.validate(cfg)
+            except ValueError as exc:
+                results.append(("error", str(exc)))
+                continue
+            host = dict(query_start_loc=np.zeros(13, np.int32), seq_lens=np.zeros(12, np.int32),
+                        block_table=np.zeros((12, cfg.max_blocks_per_seq), np.int32),
+                        prefix_ranges=np.zeros((12, 3, 2), np.int32), slot_mapping=np.zeros(80, np.int64),
+                        positions=np.zeros(80, np.int64))
+            step.pack(cfg.block_size, **host)
+            results.append(("packed", step.block_columns, {k: v.tolist() for k, v in host.items()}))
+        assert results[0] == results[1], f"Python and numpy paths differ (seed={seed}): {kwargs}\n{results}"
+        outcomes.append(results[0][0])
+    assert 0.1 < outcomes.count("error") / len(outcomes) < 0.9, f"steps should be both valid and not (seed={seed})"
