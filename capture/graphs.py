@@ -76,6 +76,7 @@ class GraphSet:
         self._guard = guard
         self._fast_guard = fast_guard
         self._addresses: list[int] | None = None     # of the guarded tensors, at capture
+        self.precompile_report = None                 # capture.precompile.PrecompileReport of the last capture
 
     def _guard_holds(self) -> bool:
         if self._fast_guard is not None:
@@ -96,17 +97,39 @@ class GraphSet:
                            f"read stale memory. Put new values in place with .copy_(), or capture again.")
 
     def capture(self, buckets: Sequence[Bucket], prepare: Callable[[Bucket], Callable[[], Any]], *,
-                warmup: int = 1, trace=None, progress: Callable[[CapturedGraph], None] | None = None) -> None:
+                warmup: int = 1, trace=None, progress: Callable[[CapturedGraph], None] | None = None,
+                precompile: bool = False) -> None:
         """Capture every bucket, largest first. ``prepare(bucket)`` stages an all-padding step
         for the bucket and returns the function that runs one step of it. Graphs captured
         earlier are dropped when a tensor they read has moved since (capturing again is
-        the way to go on after replacing a cache or a weight)."""
+        the way to go on after replacing a cache or a weight). ``precompile``: first find
+        the Triton kernel variants every bucket needs and compile the missing ones in
+        parallel processes (``capture.precompile``); ``self.precompile_report`` says what
+        that did."""
         if self._addresses is not None and not self._guard_holds():
             self.graphs.clear()
             self.index = BucketIndex([])
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        self.precompile_report = None
+        if precompile:
+            from .precompile import precompile as compile_variants
+
+            def runs():
+                for bucket in sorted(buckets, reverse=True):
+                    yield prepare(bucket)
+
+            stream.wait_stream(torch.cuda.current_stream())
+            try:
+                with torch.cuda.stream(stream):
+                    self.precompile_report = compile_variants(runs())
+            except Exception as exc:      # an optimisation only: capture compiles what it needs anyway
+                from .precompile import PrecompileReport
+
+                self.precompile_report = PrecompileReport(failures=[f"precompile stopped: {type(exc).__name__}: "
+                                                                    f"{exc}"[:300]])
+            torch.cuda.current_stream().wait_stream(stream)
         gc.collect()
         gc.freeze()     # torch.cuda.graph collects garbage on entry: keep that cheap across many buckets
         failures: list[tuple[Bucket, int | None]] = []

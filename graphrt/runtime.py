@@ -191,11 +191,16 @@ class Runtime:
 
     # ---------------------------------------------------------------- capture
     def capture(self, decode_buckets: Sequence[int] | None = None, mixed_buckets: Sequence[int] | None = None, *,
-                progress: Callable[[CapturedGraph], None] | None = None, quiet: bool = False) -> list[CapturedGraph]:
+                progress: Callable[[CapturedGraph], None] | None = None, quiet: bool = False,
+                precompile: bool = False) -> list[CapturedGraph]:
         """Capture one graph per bucket (defaults: ``capture.default_buckets``), largest
         first, in one memory pool. Decode buckets count sequences, mixed buckets tokens.
         A progress bar shows on an interactive terminal unless ``quiet``; ``progress`` is
         called with each captured graph. A no-op returning [] on CPU.
+
+        ``precompile=True`` first finds the Triton kernel variants of every bucket and
+        compiles those missing from Triton's cache in parallel processes (for a cold cache;
+        ``rt.graphs.precompile_report`` says what it did).
 
         Raises ``graphrt.capture.CaptureError`` naming the buckets that ran out of GPU
         memory (and the bytes asked for); the other buckets are captured and usable."""
@@ -228,7 +233,7 @@ class Runtime:
                 if progress:
                     progress(graph)
 
-            self.graphs.capture(buckets, prepare, trace=self.tracer, progress=captured)
+            self.graphs.capture(buckets, prepare, trace=self.tracer, progress=captured, precompile=precompile)
         return [self.graphs.graphs[b] for b in sorted(buckets, reverse=True)]
 
     def _weights(self) -> list[tuple[str, dict, str]]:

@@ -28,8 +28,10 @@ def test_bench_quick(name, tmp_path):
         assert row["bench"] in benches and REQUIRED[name] <= set(row), row
     if name == "soak":
         assert data["rows"][0]["checked"] >= 2 and data["rows"][0]["mismatches"] == 0, data["rows"][0]
-    if name == "capture":       # a cold Triton cache, then the same cache warm, each in a fresh process
-        assert [r["cache"] for r in data["rows"] if r["bucket"] == "all"] == ["cold", "warm"], data["rows"]
+    if name == "capture":       # a cold Triton cache, then the same cache warm, each in a fresh process;
+        # then the same with precompile in a second directory
+        totals = [(r["cache"], r["precompile"]) for r in data["rows"] if r["bucket"] == "all"]
+        assert totals == [("cold", False), ("warm", False), ("cold", True), ("warm", True)], data["rows"]
     if name == "runtime":
         assert 1 in {r["layers"] for r in data["rows"]}, "no one-layer row"
     if name == "step":

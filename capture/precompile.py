@@ -1,0 +1,155 @@
+"""Compile, in parallel processes, the Triton kernel variants a capture is about to launch.
+
+From a cold Triton cache, capture spends most of its time compiling one kernel variant
+after another in one process (Triton holds the GIL while it compiles, so threads do not
+help). ``precompile(runs)`` instead:
+
+1. runs each step function once with Triton's ``jit_cache_hook`` set: every launch of a
+   variant this process has not compiled yet is recorded (its specialization data, the
+   JSON Triton's ``JITFunction.preload`` takes) and skipped, neither compiled nor launched
+   (the outputs of that pass are garbage; the torch ops around the kernels run as usual);
+2. loads the first recorded variant in this process (``preload``). Fast means Triton's
+   on-disk cache already holds it, and likely the rest: they load here one by one. Slow
+   (it compiled) means a cold cache: the others compile in a pool of fresh processes
+   for the same GPU target, which fill the on-disk cache, and then load here.
+
+Correctness never rests on the pool: the kernels a capture launches are always the ones
+this process loads or compiles through Triton's own path; a variant a worker failed on, or
+compiled under a different cache key, is simply compiled here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+# A variant whose preload takes longer than this was compiled, not loaded from the cache.
+_LOADED_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class Variant:
+    module: str          # the kernel's module, e.g. "graphrt.kernels.paged_attention"
+    qualname: str        # its name in the module
+    data: str            # Triton's specialization data (JSON)
+
+
+@dataclass
+class PrecompileReport:
+    variants: int = 0            # kernel variants the step functions needed that were not in memory
+    compiled_in_pool: int = 0    # of them, sent to the worker processes
+    workers: int = 0
+    failed_in_pool: int = 0      # compiled here instead
+    seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _recording(found: dict[str, Variant]):
+    """Triton's jit_cache_hook records each variant about to compile and skips it."""
+    from triton import knobs
+
+    def hook(*, key, fn, compile, **_):
+        found.setdefault(str(key) + fn.name, Variant(str(fn.module), fn.name, compile["specialization_data"]))
+        return True              # skip: no compile, no launch
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
+def collect(runs: Iterable[Callable[[], Any]]) -> list[Variant]:
+    """The kernel variants that running each of ``runs`` would compile (none is compiled
+    or launched while they run)."""
+    found: dict[str, Variant] = {}
+    with _recording(found):
+        for run in runs:
+            run()
+    return list(found.values())
+
+
+def _kernel(variant: Variant):
+    obj = importlib.import_module(variant.module)
+    for part in variant.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _listify_free(value: Any) -> Any:
+    return tuple(_listify_free(v) for v in value) if isinstance(value, list) else value
+
+
+def compile_variant(variant: Variant, target: tuple) -> None:
+    """Compile one variant for ``target`` ((backend, arch, warp_size)) into Triton's
+    on-disk cache, without a GPU: what ``JITFunction.preload`` does, up to the point where
+    it needs the device. A worker's entry point."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    fn = _kernel(variant)
+    obj = json.loads(variant.data)
+    constexprs = {
+        tuple(k): (tl.dtype(v) if tl.dtype.is_dtype(v) else
+                   tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v)
+        for k, v in zip(obj["constant_keys"], obj["constant_vals"])
+    }
+    attrs = {tuple(k): v for k, v in zip(obj["attrs_keys"], obj["attrs_vals"])}
+    signature = {k: _listify_free(v) for k, v in obj["signature"].items()}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()}
+    gpu = GPUTarget(*target)
+    options = make_backend(gpu).parse_options(options)
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options.__dict__)
+
+
+def compile_in_pool(variants: list[Variant], target: tuple, workers: int) -> list[str]:
+    """Compile ``variants`` in ``workers`` fresh processes; returns one message per failure."""
+    import multiprocessing
+
+    failures = []
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(compile_variant, v, target) for v in variants]
+        for variant, future in zip(variants, futures):
+            try:
+                future.result()
+            except Exception as exc:          # compiled in this process instead
+                failures.append(f"{variant.qualname}: {type(exc).__name__}: {exc}"[:300])
+    return failures
+
+
+def precompile(runs: Iterable[Callable[[], Any]], *, max_workers: int | None = None) -> PrecompileReport:
+    """Run ``runs`` with kernels skipped to find the variants they need, compile the
+    missing ones in parallel processes, and load them all into this process (module doc).
+    CUDA only."""
+    from triton.runtime import driver
+
+    t0 = time.perf_counter()
+    report = PrecompileReport()
+    variants = collect(runs)
+    report.variants = len(variants)
+    if variants:
+        t = time.perf_counter()
+        _kernel(variants[0]).preload(variants[0].data)
+        rest = variants[1:]
+        if rest and time.perf_counter() - t > _LOADED_SECONDS:            # a cold cache
+            gpu = driver.active.get_current_target()
+            target = (gpu.backend, gpu.arch, gpu.warp_size)
+            report.workers = max(1, min(len(rest), max_workers or 8, os.cpu_count() or 1))
+            report.compiled_in_pool = len(rest)
+            report.failures = compile_in_pool(rest, target, report.workers)
+            report.failed_in_pool = len(report.failures)
+        for v in rest:
+            _kernel(v).preload(v.data)          # from the on-disk cache (or compiled here)
+    report.seconds = time.perf_counter() - t0
+    return report
