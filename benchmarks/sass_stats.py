@@ -1,0 +1,108 @@
+"""Registers, spills and SASS instruction counts of graphrt's attention kernel for one
+tile configuration, compiled for a GPU target on a machine without a GPU (Triton ships
+ptxas and cuobjdump). Compare two source trees, or two configurations, at a glance.
+
+    python benchmarks/sass_stats.py [--tree DIR] [--window] [--fp8] [--block-q 4 --block-n 128 ...]
+
+The launch is specialised as the runtime's decode bucket of 256 sequences would be (bf16,
+32/8 heads, head_dim 128, KV block 16, block table column-major). Results depend on the
+Triton version (the H200 image has 3.6: install it beside, e.g. ``pip install --target
+/tmp/t36 triton==3.6.0`` and run with ``PYTHONPATH=/tmp/t36``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="a graphrt source tree (its kernels/ is compiled)")
+    parser.add_argument("--window", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="an e4m3 cache")
+    parser.add_argument("--q-dtype", default="bf16", choices=("bf16", "fp16"))
+    parser.add_argument("--block-q", type=int, default=4)
+    parser.add_argument("--block-n", type=int, default=128)
+    parser.add_argument("--short-q", type=int, default=0)
+    parser.add_argument("--short-block-n", type=int, default=0)
+    parser.add_argument("--splits", type=int, default=1)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    with tempfile.TemporaryDirectory() as tmp:
+        package = Path(tmp) / "graphrt_kernels_under_test"
+        shutil.copytree(args.tree / "kernels", package)
+        sys.path.insert(0, tmp)
+        fn = importlib.import_module(package.name + ".paged_attention")._attn_kernel
+        names = fn.arg_names
+        const = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, KV_BLOCK_SIZE=16, QPK=4, QPK_PAD=4, BLOCK_Q=args.block_q,
+                     BLOCK_N=args.block_n, SHORT_Q=args.short_q, SHORT_BLOCK_N=args.short_block_n, MAX_RANGES=8,
+                     USE_WINDOW=args.window, WINDOW_RULE=0, USE_RANGES=True, USE_SOFTCAP=False,
+                     NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8)
+        # the values the runtime passes for a 256-sequence decode bucket (what Triton
+        # specialises on: == 1, divisible by 16)
+        ints = dict(stride_q_tok=4096, stride_q_head=128, stride_k_blk=16384, stride_k_tok=1024, stride_k_head=128,
+                    stride_v_blk=16384, stride_v_tok=1024, stride_v_head=128, stride_o_tok=4096, stride_o_head=128,
+                    stride_bt_seq=1, stride_bt_blk=256, stride_po_tok=4096, stride_po_head=128, stride_po_split=0,
+                    stride_pl_tok=4096, stride_pl_head=128, window=32, max_num_seqs=256, num_q_rows=256,
+                    num_blocks=18432, max_blocks_per_seq=68)
+        signature, attrs = {}, {}
+        for i, n in enumerate(names):
+            if n in const:
+                signature[n] = "constexpr"
+            elif n in ("k_cache_ptr", "v_cache_ptr"):
+                signature[n] = "*fp8e4nv" if args.fp8 else "*" + args.q_dtype
+            elif n in ("q_ptr", "out_ptr"):
+                signature[n] = "*" + args.q_dtype
+            elif n in ("part_o_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr"):
+                signature[n] = "*fp32"
+            elif n.endswith("_ptr"):
+                signature[n] = "*i32"
+            elif n in ("scale_log2e", "softcap"):
+                signature[n] = "fp32"
+            elif ints.get(n) == 1:
+                signature[n], const[n] = "constexpr", 1
+            else:
+                signature[n] = "i32"
+            if signature[n].startswith("*") or (n in ints and ints[n] % 16 == 0 and signature[n] != "constexpr"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        constexprs = {(names.index(k),): v for k, v in const.items() if k in names}
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                target=GPUTarget("cuda", args.arch, 32),
+                                options=dict(num_warps=args.warps, num_stages=args.stages))
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
+                               text=True).stdout
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+
+    def count(pattern: str) -> int:
+        return sum(bool(re.search(pattern, line)) for line in lines)
+
+    resources = " ".join(re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+", usage))
+    loads, mma, conversions = count(r"LDG"), count(r"MMA"), count(r"F2F|F2FP|I2F|PRMT")
+    local = count(r"\b(STL|LDL)")
+    print(f"triton {triton.__version__}, sm_{args.arch}, tree {args.tree}: {resources}; {len(lines)} instructions, "
+          f"{loads} global loads, {mma} MMA, {conversions} conversions, {local} local (spill) loads/stores")
+
+
+if __name__ == "__main__":
+    main()
