@@ -86,6 +86,12 @@ def main() -> None:
         kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                 target=GPUTarget("cuda", args.arch, 32),
                                 options=dict(num_warps=args.warps, num_stages=args.stages))
+        if os.environ.get("GRAPHRT_DUMP_IR"):          # a directory: write the TTGIR and PTX there
+            dump = Path(os.environ["GRAPHRT_DUMP_IR"])
+            dump.mkdir(parents=True, exist_ok=True)
+            for ext in ("ttir", "ttgir", "ptx"):
+                if ext in kernel.asm:
+                    (dump / f"attn.{ext}").write_text(kernel.asm[ext])
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -97,7 +103,8 @@ def main() -> None:
     def count(pattern: str) -> int:
         return sum(bool(re.search(pattern, line)) for line in lines)
 
-    resources = " ".join(re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+", usage))
+    resources = " ".join(re.findall(r"REG:\d+ STACK:\d+", usage))
+    resources += f" dynamic shared {kernel.metadata.shared} B"      # Triton's pipelining buffers live here
     loads, mma, conversions = count(r"LDG"), count(r"MMA"), count(r"F2F|F2FP|I2F|PRMT")
     local = count(r"\b(STL|LDL)")
     print(f"triton {triton.__version__}, sm_{args.arch}, tree {args.tree}: {resources}; {len(lines)} instructions, "
