@@ -1,7 +1,18 @@
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# `python -m pytest` run from a graphrt checkout puts the checkout first on sys.path, and
+# with it the top-level kernels/ directory as a module named "kernels", hiding the PyPI
+# package of that name (transformers >= 5.25 imports it when installed). graphrt is
+# installed (its kernels as graphrt.kernels), so the tests do not need that entry.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+if "kernels" in sys.modules and Path(getattr(sys.modules["kernels"], "__file__", "") or "").parent == _ROOT / "kernels":
+    del sys.modules["kernels"]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton chooses compiled or interpreted kernels when they are defined, so decide before
 # any test module imports graphrt.kernels.
