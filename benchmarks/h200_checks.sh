@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU checks of a commit, in one go, for a machine with a CUDA device:
+#   bash benchmarks/h200_checks.sh OUT PART...
+# PART: tests | sanitizer | ab-runtime | probe-step | bench-host | bench-capture | bench-kernels |
+#       sweep-fp8 | sweep-prefill. ab-runtime and probe-step compare with the tree in $BASE
+#       (a `git archive` of an older commit; default .base). Each part runs under its own
+#       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
+#       failing part does not stop the others. GRAPHRT_COMMIT labels the JSONs.
+set -u
+out=$1; shift
+mkdir -p "$out"
+base=${BASE:-.base}
+limit=${LIMIT:-300}
+c=${GRAPHRT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export GRAPHRT_COMMIT=$c PYTHONUNBUFFERED=1
+site() {   # an importable copy of a tree: graphrt/ with kernels/ and capture/ inside
+  local d=/tmp/graphrt_site_$1; rm -rf "$d"; mkdir -p "$d"
+  cp -r "$2/graphrt" "$d/"; cp -r "$2/kernels" "$2/capture" "$d/graphrt/"; cp -r graphrt/bench/. "$d/graphrt/bench/"
+  echo "$d"
+}
+for part in "$@"; do
+  log="$out/${part}_$c.log"
+  case $part in
+    tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -n 6 tests --ignore=tests/test_sanitizer.py ;;
+    sanitizer) timeout "$limit" python3 -m pytest -q -s -p no:cacheprovider -n 3 tests/test_sanitizer.py ;;
+    ab-runtime) timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which runtime \
+                  --rounds 2 --harness a --out /tmp/ab_runtime && cp /tmp/ab_runtime/ab_runtime.json "$out/" ;;
+    probe-step) new=$(site new .); old=$(site old "$base")
+                timeout "$limit" bash -c "for r in 1 2; do for s in $new $old; do PYTHONPATH=\$s:\${PYTHONPATH:-} \
+                  python3 benchmarks/probe_step_gpu.py --label \$s | tail -n 1; done; done" ;;
+    bench-host) timeout "$limit" python3 -m graphrt bench host --out "$out" ;;
+    bench-capture) timeout "$limit" python3 -m graphrt bench capture --out "$out" ;;
+    bench-kernels) timeout "$limit" python3 -m graphrt bench kernels --out "$out" ;;
+    sweep-fp8) timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" ;;
+    sweep-prefill) timeout "$limit" python3 benchmarks/sweep_prefill.py --out "$out" ;;
+    *) echo "unknown part $part" ;;
+  esac > "$log" 2>&1
+  echo "rc=$?" >> "$log"
+  echo "== $part: $(tail -n 2 "$log" | tr '\n' ' ')"
+done
