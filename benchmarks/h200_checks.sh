@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of a commit, in one go, for a machine with a CUDA device:
 #   bash benchmarks/h200_checks.sh OUT PART...
-# PART: tests | sanitizer | ab-runtime | probe-step | probe-host | bench-host | bench-capture |
+# PART: tests | sanitizer | ab-runtime | probe-step | probe-host | probe-ops | bench-host | bench-capture |
 #       bench-kernels | sweep-fp8 | sweep-prefill. ab-runtime and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base). Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
@@ -29,6 +29,7 @@ for part in "$@"; do
                 timeout "$limit" bash -c "for r in 1 2; do for s in $new $old; do PYTHONPATH=\$s:\${PYTHONPATH:-} \
                   python3 benchmarks/probe_step_gpu.py --label \$s | tail -n 1; done; done" ;;
     probe-host) timeout "$limit" python3 benchmarks/probe_step_host.py --out "$out" ;;
+    probe-ops) timeout "$limit" python3 benchmarks/probe_host_ops.py --out "$out" ;;
     bench-host) timeout "$limit" python3 -m graphrt bench host --out "$out" ;;
     bench-capture) timeout "$limit" python3 -m graphrt bench capture --out "$out" ;;
     bench-kernels) timeout "$limit" python3 -m graphrt bench kernels --out "$out" ;;
