@@ -10,8 +10,8 @@ help). ``precompile(runs)`` instead:
    (the outputs of that pass are garbage; the torch ops around the kernels run as usual);
 2. loads the first recorded variant in this process (``preload``). Fast means Triton's
    on-disk cache already holds it, and likely the rest: they load here one by one. Slow
-   (it compiled) means a cold cache: the others compile in a pool of fresh processes
-   for the same GPU target, which fill the on-disk cache, and then load here.
+   (it compiled) means a cold cache: the others compile in fresh worker processes for
+   the same GPU target, which fill the on-disk cache, and then load here.
 
 Correctness never rests on the pool: the kernels a capture launches are always the ones
 this process loads or compiles through Triton's own path; a variant a worker failed on, or
@@ -25,7 +25,6 @@ import importlib
 import json
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -114,18 +113,51 @@ def compile_variant(variant: Variant, target: tuple) -> None:
 
 
 def compile_in_pool(variants: list[Variant], target: tuple, workers: int) -> list[str]:
-    """Compile ``variants`` in ``workers`` fresh processes; returns one message per failure."""
-    import multiprocessing
+    """Compile ``variants`` in ``workers`` fresh Python processes (each a share, one after
+    another); returns one message per variant that failed. The workers are plain
+    subprocesses (``python -c``), not multiprocessing's: spawning those would import the
+    caller's main script again in every worker."""
+    import subprocess
+    import sys
+    import tempfile
 
-    failures = []
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(compile_variant, v, target) for v in variants]
-        for variant, future in zip(variants, futures):
-            try:
-                future.result()
-            except Exception as exc:          # compiled in this process instead
-                failures.append(f"{variant.qualname}: {type(exc).__name__}: {exc}"[:300])
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="graphrt-precompile-") as tmp:
+        jobs = []
+        for i in range(workers):
+            share = variants[i::workers]
+            if not share:
+                continue
+            path = os.path.join(tmp, f"share{i}.json")
+            with open(path, "w") as f:
+                json.dump(dict(target=list(target), variants=[v.__dict__ for v in share]), f)
+            code = "from graphrt.capture.precompile import _worker; _worker()"
+            jobs.append((share, path, subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE,
+                                                       stderr=subprocess.PIPE, text=True)))
+        for share, path, job in jobs:
+            out, err = job.communicate()
+            if job.returncode != 0:
+                failures += [f"{v.qualname}: worker exited with {job.returncode}: {err.strip()[-300:]}" for v in share]
+                continue
+            failures += json.loads(out.strip().splitlines()[-1])
     return failures
+
+
+def _worker() -> None:
+    """A worker process: compile the variants of the share file named in argv[1] and
+    print the failures as one JSON line."""
+    import sys
+
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    failures = []
+    for item in job["variants"]:
+        variant = Variant(**item)
+        try:
+            compile_variant(variant, tuple(job["target"]))
+        except Exception as exc:
+            failures.append(f"{variant.qualname}: {type(exc).__name__}: {exc}"[:300])
+    print(json.dumps(failures))
 
 
 def precompile(runs: Iterable[Callable[[], Any]], *, max_workers: int | None = None) -> PrecompileReport:
