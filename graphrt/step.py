@@ -149,11 +149,9 @@ class Step:
                 self._check_written_blocks(cfg.block_size)      # raises, naming the block
             self.block_columns = max(counts)
             return
-        self._derive_counts(cfg.block_size)
-        if not self._checks_numpy(cfg):
+        if not self._checks_numpy(cfg):         # sets block_columns
             self._diagnose(cfg)
         self._check_written_blocks(cfg.block_size)
-        self.block_columns = int(self.block_counts.max())
 
     def _written_blocks_distinct_small(self, block_size: int) -> bool:
         """``_check_written_blocks``'s test in Python for a few sequences: True when the
@@ -207,14 +205,18 @@ class Step:
                          f"prefix: copy a partly filled shared block before writing into it)")
 
     def _checks_numpy(self, cfg: RuntimeConfig) -> bool:
-        """Every limit at once, as array reductions (cheapest for many sequences)."""
-        derived = self.block_counts is None      # then each row has exactly the blocks it needs
-        self._derive_counts(cfg.block_size)
-        table, counts = self.block_table, self.block_counts
+        """Every limit at once, as array reductions (cheapest for many sequences). Sets
+        ``block_columns``; derived block counts stay underived (each row then has exactly
+        the blocks its seq_len needs: the widest row is the longest sequence's)."""
+        if self.range_counts is None:
+            self._derive_counts(cfg.block_size)
+        table, counts, bs = self.block_table, self.block_counts, cfg.block_size
+        seq_max = int(self.seq_lens.max())
+        self.block_columns = -(-seq_max // bs) if counts is None else int(counts.max())
         ok = (self.q_lens.min() >= 1 and self.context_lens.min() >= 0 and self.num_tokens <= cfg.max_num_tokens
-              and self.seq_lens.max() <= cfg.max_model_len
-              and (derived or (counts * cfg.block_size >= self.seq_lens).all())
-              and counts.max() <= min(cfg.max_blocks_per_seq, table.shape[1])
+              and seq_max <= cfg.max_model_len
+              and (counts is None or (counts * bs >= self.seq_lens).all())
+              and self.block_columns <= min(cfg.max_blocks_per_seq, table.shape[1])
               and (table.size == 0 or table.view(np.uint64).max() < cfg.num_blocks)
               and self.range_counts.max() <= cfg.max_prefix_ranges)
         r = self.ranges
