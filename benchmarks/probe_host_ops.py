@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import decode_arrays, env, host_median_us
+from graphrt.bench.common import decode_arrays, env, host_median_us, toy_runtime
 
 
 def elementary(reps: int) -> dict:
@@ -75,17 +75,11 @@ def elementary(reps: int) -> dict:
 
 
 def profile_steps(layers: int, batch: int, calls: int) -> str:
-    from graphrt import Runtime, RuntimeConfig, Step
-    from graphrt.toy import ToyModel
+    from graphrt import Step
 
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    cfg = RuntimeConfig(num_q_heads=32 if cuda else 4, num_kv_heads=8 if cuda else 2, head_dim=128 if cuda else 32,
-                        block_size=16, num_blocks=batch * 72, max_num_seqs=batch, max_num_tokens=batch * 2,
-                        max_model_len=1024 + 64, max_prefix_ranges=8,
-                        dtype=torch.bfloat16 if cuda else torch.float32)
-    model = ToyModel(cfg, num_layers=layers, hidden=1024 if cuda else 32, vocab=1024, device=device)
-    rt = Runtime(cfg, model, num_layers=layers, device=device)
+    rt = toy_runtime(layers, batch, 1024 if cuda else 48, small=not cuda)
+    cfg = rt.cfg
     rt.capture(decode_buckets=[batch], mixed_buckets=[cfg.max_num_tokens], quiet=True)
     arrays = decode_arrays(batch, 1024 if cuda else 48, cfg.block_size)
     ids = np.arange(batch) % 1000

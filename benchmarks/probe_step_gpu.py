@@ -17,9 +17,8 @@ import torch
 
 def main() -> None:
     import graphrt
-    from graphrt import Runtime, RuntimeConfig, Step
-    from graphrt.bench.common import decode_arrays
-    from graphrt.toy import ToyModel
+    from graphrt import Step
+    from graphrt.bench.common import decode_arrays, toy_runtime
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=1)
@@ -28,13 +27,8 @@ def main() -> None:
     parser.add_argument("--label", default="")
     args = parser.parse_args()
     b = args.batch
-    cfg = RuntimeConfig(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=b * 72,
-                        max_num_seqs=b, max_num_tokens=b * 2, max_model_len=args.context + 64, max_prefix_ranges=8,
-                        dtype=torch.bfloat16)
-    model = ToyModel(cfg, num_layers=args.layers, hidden=1024, vocab=1024, device="cuda")
-    cache = torch.randn(cfg.num_blocks, 16, cfg.num_kv_heads, cfg.head_dim, device="cuda").to(cfg.dtype)
-    rt = Runtime(cfg, model, num_layers=args.layers, device="cuda",
-                 kv_caches=([cache] * args.layers, [cache] * args.layers))
+    rt = toy_runtime(args.layers, b, args.context, small=False)
+    cfg = rt.cfg
     rt.capture(decode_buckets=[b], mixed_buckets=[cfg.max_num_tokens], quiet=True)
     rt.step(Step.from_arrays(**decode_arrays(b, args.context, 16)), np.arange(b) % 1000)
     graph = rt.graphs.graphs[rt.last.bucket]

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import decode_arrays, env
+from graphrt.bench.common import decode_arrays, env, toy_runtime
 
 PIECES = ("validate", "pick", "check_guard", "pack", "ring_wait", "copy", "replay")
 
@@ -46,18 +46,11 @@ def timed(owner, name: str, sink: dict, key: str | None = None):
 
 
 def probe(layers: int, batch: int, steps: int, idle: bool, cuda: bool) -> dict:
-    from graphrt import Runtime, RuntimeConfig, Step
-    from graphrt.toy import ToyModel
+    from graphrt import Step
 
-    device = "cuda" if cuda else "cpu"
     context = 1024 if cuda else 48
-    cfg = RuntimeConfig(num_q_heads=32 if cuda else 4, num_kv_heads=8 if cuda else 2, head_dim=128 if cuda else 32,
-                        block_size=16, num_blocks=batch * 72, max_num_seqs=batch, max_num_tokens=batch * 2,
-                        max_model_len=context + 64, max_prefix_ranges=8,
-                        dtype=torch.bfloat16 if cuda else torch.float32)
-    model = ToyModel(cfg, num_layers=layers, hidden=1024 if cuda else 32, vocab=1024, device=device)
-    cache = torch.randn(cfg.num_blocks, 16, cfg.num_kv_heads, cfg.head_dim, device=device).to(cfg.dtype)
-    rt = Runtime(cfg, model, num_layers=layers, device=device, kv_caches=([cache] * layers, [cache] * layers))
+    rt = toy_runtime(layers, batch, context, small=not cuda)
+    cfg = rt.cfg
     rt.capture(decode_buckets=[batch], mixed_buckets=[cfg.max_num_tokens], quiet=True)
     arrays = decode_arrays(batch, context, cfg.block_size)
     ids = np.arange(batch) % 1000

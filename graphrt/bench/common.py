@@ -56,6 +56,26 @@ def decode_arrays(batch: int, context: int, block_size: int = 16) -> dict:
                 prefix_ranges=np.tile([[[5, 5 + min(256, context // 2)]]], (batch, 1, 1)))
 
 
+def toy_runtime(layers: int, max_seqs: int, context: int, *, small: bool, nvtx: bool = False):
+    """The benchmarks' toy model (``graphrt.toy.ToyModel``) under a ``Runtime`` sized for
+    decode steps of up to ``max_seqs`` sequences at ``context`` tokens (``decode_arrays``):
+    32/8 heads, head_dim 128, hidden 1024, bf16 (4/2 heads, head_dim 32, hidden 64, fp32
+    when ``small``); KV blocks of 16, 72 per sequence; one random KV cache shared by every
+    layer (the same bytes read, one layer's memory). On CUDA when there is one; not captured."""
+    from graphrt import Runtime, RuntimeConfig
+    from graphrt.toy import ToyModel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = RuntimeConfig(num_q_heads=4 if small else 32, num_kv_heads=2 if small else 8, head_dim=32 if small else 128,
+                        block_size=16, num_blocks=max_seqs * 72, max_num_seqs=max_seqs, max_num_tokens=max_seqs * 2,
+                        max_model_len=context + 64, max_prefix_ranges=8,
+                        dtype=torch.float32 if small else torch.bfloat16)
+    model = ToyModel(cfg, num_layers=layers, hidden=64 if small else 1024, vocab=1024, device=device)
+    cache = torch.randn(cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim, device=device).to(cfg.dtype)
+    return Runtime(cfg, model, num_layers=layers, device=device, nvtx=nvtx,
+                   kv_caches=([cache] * layers, [cache] * layers))
+
+
 def blocks_per_seq(context: int, block_size: int = 16) -> int:
     return -(-(context + 1) // block_size)
 

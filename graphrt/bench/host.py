@@ -18,23 +18,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import decode_arrays, host_median_us, quick_out_main, write
+from graphrt.bench.common import decode_arrays, host_median_us, quick_out_main, toy_runtime, write
 
 
 def pieces(layers: int, batch: int, reps: int, quick: bool) -> dict:
-    from graphrt import Runtime, RuntimeConfig, Step
-    from graphrt.toy import ToyModel
+    from graphrt import Step
 
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     context = 48 if quick else 1024
-    cfg = RuntimeConfig(num_q_heads=32 if cuda else 4, num_kv_heads=8 if cuda else 2, head_dim=128 if cuda else 32,
-                        block_size=16, num_blocks=batch * 72, max_num_seqs=batch, max_num_tokens=batch * 2,
-                        max_model_len=context + 64, max_prefix_ranges=8,
-                        dtype=torch.bfloat16 if cuda else torch.float32)
-    model = ToyModel(cfg, num_layers=layers, hidden=1024 if cuda else 32, vocab=1024, device=device)
-    rt = Runtime(cfg, model, num_layers=layers, device=device)
+    rt = toy_runtime(layers, batch, context, small=not cuda)
+    cfg = rt.cfg
     rt.capture(decode_buckets=[batch], mixed_buckets=[cfg.max_num_tokens], quiet=True)
     arrays = decode_arrays(batch, context, cfg.block_size)
     ids = np.arange(batch) % 1000

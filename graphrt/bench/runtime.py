@@ -19,30 +19,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import decode_arrays, progress, quick_out_main, write
+from graphrt.bench.common import decode_arrays, progress, quick_out_main, toy_runtime, write
 
 
 def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
-    from graphrt import Runtime, RuntimeConfig, Step
-    from graphrt.toy import ToyModel
+    from graphrt import Step
 
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
     small = quick or not cuda
     layers_list, batches, context, steps = ([1, 2], [1, 4], 48, 3) if small else ([1, 8, 32], [1, 8, 64, 256], 1024,
                                                                                     200)
     rows = []
     for layers in layers_list:
-        cfg = RuntimeConfig(num_q_heads=4 if small else 32, num_kv_heads=2 if small else 8,
-                            head_dim=64 if small else 128, block_size=16, num_blocks=max(batches) * 72,
-                            max_num_seqs=max(batches), max_num_tokens=max(batches) * 2,
-                            max_model_len=context + 64, max_prefix_ranges=8,
-                            dtype=torch.float32 if small else torch.bfloat16)
-        model = ToyModel(cfg, num_layers=layers, hidden=64 if small else 1024, vocab=1024, device=device)
-        cache = (torch.randn(cfg.num_blocks, 16, cfg.num_kv_heads, cfg.head_dim, device=device).to(cfg.dtype),)
-        caches = (list(cache) * layers, list(cache) * layers)       # one cache for all layers: same bytes read
         for nvtx_on in (False, True):
-            rt = Runtime(cfg, model, num_layers=layers, device=device, nvtx=nvtx_on, kv_caches=caches)
+            rt = toy_runtime(layers, max(batches), context, small=small, nvtx=nvtx_on)
+            cfg = rt.cfg
             rt.capture(decode_buckets=batches, mixed_buckets=[cfg.max_num_tokens], quiet=True)
             for batch in progress(batches, f"runtime L={layers} nvtx={nvtx_on}", quiet):
                 arrays = decode_arrays(batch, context, cfg.block_size)
