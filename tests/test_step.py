@@ -172,6 +172,45 @@ def test_from_arrays_rejects():
         Step.from_arrays(**good, prefix_ranges=[[(2, 9)], [(0, 0)]]).validate(CFG)
 
 
+def random_step_arrays(rng: np.random.Generator, max_seqs: int, num_blocks: int, *, decode_p: float = 0.0,
+                       distinct_p: float = 0.0, derived_p: float = 0.0) -> dict:
+    """``Step.from_arrays`` keywords of a random step, valid or broken in any limit: up
+    to ``max_seqs`` sequences of up to 3 new tokens (all decodes with probability
+    ``decode_p``), contexts up to 99, blocks from [0, num_blocks) (distinct with
+    probability ``distinct_p`` when they fit, else drawn with repeats), 4 range slots;
+    now and then a q_len of 0, a negative context, a count off by one, a block id out of
+    range, shuffled, shifted or empty ranges, or a range count too large. With probability
+    ``derived_p`` the block and range counts are left for validate to derive."""
+    n = int(rng.integers(1, max_seqs + 1))
+    q = np.ones(n, np.int64) if rng.random() < decode_p else rng.integers(0 if rng.random() < 0.05 else 1, 4, n)
+    c = rng.integers(-1 if rng.random() < 0.05 else 0, 100, n)
+    need = -(-(q + c) // 16)
+    counts = np.maximum(need + (rng.integers(-1, 2, n) if rng.random() < 0.1 else 0), 0)
+    width = int(max(counts.max(), 1)) + int(rng.integers(0, 2))
+    if n * width <= num_blocks and rng.random() < distinct_p:
+        table = rng.permutation(num_blocks)[: n * width].reshape(n, width)
+    else:
+        table = rng.integers(-1 if rng.random() < 0.05 else 0, num_blocks + (rng.random() < 0.05), (n, width))
+    # cut points inside each sequence (sorted: valid ranges), now and then shuffled,
+    # pushed past the sequence or below 0, or collapsed to empty
+    cuts = np.sort((rng.random((n, 8)) * (q + c)[:, None]).astype(np.int64), axis=1)
+    cuts[:, 1::2] += 1
+    if rng.random() < 0.1:
+        rng.shuffle(cuts, axis=1)
+    if rng.random() < 0.05:
+        cuts[int(rng.integers(n)), int(rng.integers(8))] += int(rng.integers(-3, 4))
+    ranges = cuts.reshape(n, 4, 2)
+    if rng.random() < 0.1:
+        i, j = int(rng.integers(n)), int(rng.integers(4))
+        ranges[i, j, 1] = ranges[i, j, 0]
+    kwargs = dict(q_lens=q, context_lens=c, block_table=table, prefix_ranges=ranges)
+    if rng.random() >= derived_p:
+        kwargs.update(block_counts=counts, range_counts=rng.integers(0, 5 if rng.random() < 0.05 else 4, n))
+    elif rng.random() >= 0.05:        # derived: the non-empty ranges count, mostly at most 3 of them
+        ranges[:, 3] = 0
+    return kwargs
+
+
 def test_small_and_numpy_checks_agree():
     """validate() checks up to 32 sequences in Python and more with numpy reductions: on
     random steps, valid and broken in every limit, both give the same verdict."""
@@ -181,31 +220,10 @@ def test_small_and_numpy_checks_agree():
                         max_num_tokens=60, max_model_len=120, max_prefix_ranges=3, dtype=torch.float32)
     verdicts = []
     for _ in range(1500):
-        n = int(rng.integers(1, 21))
-        q = rng.integers(0 if rng.random() < 0.05 else 1, 4, n)
-        c = rng.integers(-1 if rng.random() < 0.05 else 0, 100, n)
-        need = -(-(q + c) // 16)
-        counts = np.maximum(need + (rng.integers(-1, 2, n) if rng.random() < 0.1 else 0), 0)
-        width = int(max(counts.max(), 1)) + int(rng.integers(0, 2))
-        table = rng.integers(-1 if rng.random() < 0.05 else 0, 50 + (rng.random() < 0.05), (n, width))
-        # cut points inside each sequence (sorted: valid ranges), now and then shuffled,
-        # pushed past the sequence or below 0, or collapsed to empty
-        cuts = np.sort((rng.random((n, 8)) * (q + c)[:, None]).astype(np.int64), axis=1)
-        cuts[:, 1::2] += 1
-        if rng.random() < 0.1:
-            rng.shuffle(cuts, axis=1)
-        if rng.random() < 0.05:
-            cuts[int(rng.integers(n)), int(rng.integers(8))] += int(rng.integers(-3, 4))
-        ranges = cuts.reshape(n, 4, 2)
-        if rng.random() < 0.1:
-            i, j = int(rng.integers(n)), int(rng.integers(4))
-            ranges[i, j, 1] = ranges[i, j, 0]
-        rcounts = rng.integers(0, 5 if rng.random() < 0.05 else 4, n)
-        step = Step.from_arrays(q_lens=q, context_lens=c, block_table=table, block_counts=counts,
-                                prefix_ranges=ranges, range_counts=rcounts)
+        kwargs = random_step_arrays(rng, 20, cfg.num_blocks)
+        step = Step.from_arrays(**kwargs)
         small, big = step._checks_small(cfg) is not None, step._checks_numpy(cfg)
-        assert small == big, f"checks disagree (seed={seed}): small {small}, numpy {big}, q={q}, c={c}, " \
-                             f"counts={counts}, ranges={step.ranges.tolist()}, rcounts={rcounts}"
+        assert small == big, f"checks disagree (seed={seed}): small {small}, numpy {big}, {kwargs}"
         verdicts.append(big)
     assert 0.05 < np.mean(verdicts) < 0.95, f"the random steps should be both valid and not ({np.mean(verdicts):.2f})"
 
@@ -214,7 +232,8 @@ def test_python_and_numpy_paths_validate_and_pack_alike(monkeypatch):
     """Small steps are validated in Python (derived counts and the written-blocks check
     included, which also hand pack the decode slots), larger ones with numpy: forced down
     either path, random steps (decodes and chunks, given and derived counts, repeated
-    blocks now and then) get the same error message or the same packed arrays."""
+    blocks now and then, any limit broken) get the same error message or the same packed
+    arrays."""
     import graphrt.step as step_module
 
     seed = fresh_seed()
@@ -223,21 +242,7 @@ def test_python_and_numpy_paths_validate_and_pack_alike(monkeypatch):
                         max_num_tokens=80, max_model_len=120, max_prefix_ranges=3, dtype=torch.float32)
     outcomes = []
     for _ in range(400):
-        n = int(rng.integers(1, 13))
-        q = np.ones(n, np.int64) if rng.random() < 0.5 else rng.integers(1, 8, n)
-        c = rng.integers(0, 100, n)
-        need = -(-(q + c) // 16)
-        width = int(need.max()) + int(rng.integers(0, 2))
-        # distinct blocks, or drawn with repeats (then often written twice)
-        table = (rng.permutation(40)[: n * width].reshape(n, width) if n * width <= 40 and rng.random() < 0.6
-                 else rng.integers(0, 40, (n, width)))
-        cuts = np.sort((rng.random((n, 4)) * (q + c)[:, None]).astype(np.int64), axis=1)
-        cuts[:, 1::2] += 1
-        if rng.random() < 0.1:
-            rng.shuffle(cuts, axis=1)
-        kwargs = dict(q_lens=q, context_lens=c, block_table=table, prefix_ranges=cuts.reshape(n, 2, 2))
-        if rng.random() < 0.5:
-            kwargs.update(block_counts=need, range_counts=rng.integers(0, 3, n))
+        kwargs = random_step_arrays(rng, 12, cfg.num_blocks, decode_p=0.5, distinct_p=0.6, derived_p=0.5)
         results = []
         for small in (1000, 0):
             monkeypatch.setattr(step_module, "_SMALL_STEP", small)
