@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-from graphrt.bench.common import time_ms, write
-from graphrt.bench.kernels import BS, D, DEV, DT, HKV, HQ, _caches, make_meta
-from graphrt.kernels import decode_splits, paged_attention, split_workspace
+from graphrt.bench.common import write
+from graphrt.bench.kernels import D, DT, HKV, HQ, _attend
 from graphrt.kernels.paged_attention import KernelConfig, default_config
 
 SHAPES = [(1, 1024), (8, 8192), (64, 32768), (256, 32768)]
@@ -31,26 +30,17 @@ def main() -> None:
     quick = not torch.cuda.is_available()
     shapes = [(1, 64), (4, 64)] if quick else SHAPES
     configs = CONFIGS[:2] if quick else CONFIGS
+    base = default_config(D, DT, HQ // HKV, max_query_len=1)
     rows = []
     for batch, ctx in shapes:
-        meta, nblk = make_meta([1] * batch, [ctx - 1] * batch, [[]] * batch)
-        q = torch.randn(batch, HQ, D, device=DEV, dtype=DT)
-        out = torch.empty_like(q)
-        splits = decode_splits(batch, HKV, DEV)
-        ws = split_workspace(batch, HQ, D, splits, DEV) if splits > 1 else None
-        kc, vc = _caches(nblk)
-        bf16 = time_ms(lambda: paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws, max_query_len=1))
+        decode = ([1] * batch, [ctx - 1] * batch, [[]] * batch)
+        bf16, splits = _attend(*decode, decode=True)
         rows.append(dict(impl="bf16_default", batch=batch, context=ctx, splits=splits, ms=bf16, of_bf16=1.0))
-        kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-        del kc, vc
-        scales = dict(k_scale=torch.ones(HKV, device=DEV), v_scale=torch.ones(HKV, device=DEV))
-        base = default_config(D, DT, HQ // HKV, max_query_len=1)
         for c in configs:
             cfg = base if c is None else KernelConfig(block_q=base.block_q, block_n=c[0], num_warps=c[1],
                                                       num_stages=c[2])
             try:
-                ms = time_ms(lambda: paged_attention(q, kc8, vc8, out, meta, num_splits=splits, workspace=ws,
-                                                     max_query_len=1, config=cfg, **scales))
+                ms, _ = _attend(*decode, decode=True, fp8=True, config=cfg)
             except Exception as exc:          # a config that does not compile or fit: recorded, not fatal
                 print(f"batch {batch} ctx {ctx} {c}: {type(exc).__name__}: {exc}"[:200])
                 continue
@@ -58,7 +48,6 @@ def main() -> None:
                              default=c is None, batch=batch, context=ctx, splits=splits, ms=ms, of_bf16=ms / bf16))
             print(f"batch {batch:4d} ctx {ctx:6d} fp8 {cfg.block_n:4d}/{cfg.num_warps}/{cfg.num_stages}: "
                   f"{1e3 * ms:8.1f} us = {ms / bf16:.3f} x bf16 ({1e3 * bf16:.1f} us)", flush=True)
-        del kc8, vc8
     print(f"wrote {write(args.out, 'sweep_fp8_decode' if not quick else 'sweep_fp8_decode_quick', rows)}")
 
 

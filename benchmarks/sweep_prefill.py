@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from graphrt.bench.common import time_ms, write
-from graphrt.bench.kernels import D, DEV, DT, HKV, HQ, _caches, causal_pairs, make_meta
-from graphrt.kernels import paged_attention
+from graphrt.bench.kernels import D, DEV, DT, HKV, HQ, _attend, causal_pairs
 from graphrt.kernels.paged_attention import KernelConfig, default_config
 
 SIZES = [4096, 16384]
@@ -38,18 +37,15 @@ def main() -> None:
     rows = []
     for n in sizes:
         flops = 4 * HQ * D * causal_pairs(n)
-        meta, nblk = make_meta([n], [0], [[]])
-        kc, vc = _caches(nblk)
-        q = torch.randn(n, HQ, D, device=DEV, dtype=DT)
-        out = torch.empty_like(q)
         qs, ks, vs = (torch.randn(1, h, n, D, device=DEV, dtype=DT) for h in (HQ, HKV, HKV))
         sdpa = time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True), iters=20)
+        del qs, ks, vs
         rows.append(dict(impl="sdpa", tokens=n, ms=sdpa, tflops=flops / sdpa / 1e9, of_sdpa=1.0))
         for c in configs:
             cfg = (default_config(D, DT, qpk, num_tokens=n) if c is None else
                    KernelConfig(block_q=c[0] // qpk, block_n=c[1], num_warps=c[2], num_stages=c[3], short_block_n=128))
             try:
-                ms = time_ms(lambda: paged_attention(q, kc, vc, out, meta, config=cfg), iters=20)
+                ms, _ = _attend([n], [0], [[]], decode=False, iters=20, config=cfg)
             except Exception as exc:          # a config that does not compile or fit: recorded, not fatal
                 print(f"n={n} {c}: {type(exc).__name__}: {exc}"[:200])
                 continue

@@ -74,7 +74,9 @@ def _caches(nblk: int, fp8: bool = False):
     return kc, vc
 
 
-def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50, fp8: bool = False):
+def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50, fp8: bool = False, config=None):
+    """(ms, splits) of one paged_attention launch over fresh random data; ``config``: a
+    ``KernelConfig`` instead of the table's."""
     from graphrt.kernels import decode_splits, paged_attention, split_workspace
 
     meta, nblk = make_meta(q_lens, ctx_lens, ranges)
@@ -85,7 +87,7 @@ def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50, fp8: boo
     splits = decode_splits(len(q_lens), HKV, DEV) if decode else 1
     ws = split_workspace(q.shape[0], HQ, D, splits, DEV) if splits > 1 else None
     ms = time_ms(lambda: paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws,
-                                         max_query_len=1 if decode else None, **scales), iters=iters)
+                                         max_query_len=1 if decode else None, config=config, **scales), iters=iters)
     return ms, splits
 
 
