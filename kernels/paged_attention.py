@@ -88,7 +88,9 @@ def _attend_key_tile(
     # A block id outside the cache (hand-built metadata) reads the last block instead of
     # past the cache: garbage in, but never an out-of-bounds access. One unsigned 32-bit
     # min does it (a negative id is a huge unsigned one), before the widening to int64.
-    i_blk = tl.minimum(i_blk.to(tl.uint32, bitcast=True), last_blk.to(tl.uint32)).to(tl.int64)
+    # (tl.cast, not .to: an int argument equal to 1 reaches the kernel as a Python int,
+    # since Triton specialises it into a constant.)
+    i_blk = tl.minimum(i_blk.to(tl.uint32, bitcast=True), tl.cast(last_blk, tl.uint32)).to(tl.int64)
     i_off = k_pos % KV_BLOCK_SIZE
     # K as [HEAD_DIM_PAD, BLOCK_N], V as [BLOCK_N, HEAD_DIM_PAD]
     p_k = k_head_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok)[None, :] + o_d[:, None]
@@ -380,7 +382,7 @@ def _attn_kernel(
     # negative one (a huge unsigned value) is cut there too; two signed ops (max with 0,
     # then min) cost 48 more registers in windowed decode tiles (sm_90, Triton 3.6).
     seq_len = tl.minimum(tl.load(seq_lens_ptr + i_seq).to(tl.uint32, bitcast=True),
-                         (max_blocks_per_seq * KV_BLOCK_SIZE).to(tl.uint32)).to(tl.int32, bitcast=True)
+                         tl.cast(max_blocks_per_seq * KV_BLOCK_SIZE, tl.uint32)).to(tl.int32, bitcast=True)
     last_blk = num_blocks - 1
 
     if SHORT_Q > 0 and q_len <= SHORT_Q:

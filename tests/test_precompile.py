@@ -18,32 +18,65 @@ from graphrt.capture.precompile import Variant, compile_in_pool
 HAS_CUDA = torch.cuda.is_available()
 
 
-def write_kv_variant(head_dim: int) -> Variant:
-    """Specialization data of graphrt's KV-write kernel, in the schema Triton's
-    ``JITFunction.preload`` reads (bf16 K/V and cache, 8 KV heads)."""
-    from graphrt.kernels.kv_write import _write_kv_kernel
-
-    names = _write_kv_kernel.arg_names
-    const = dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, KV_BLOCK_SIZE=16,
-                 QUANTIZE=False, ROUND_E4M3=False)
+def variant(kernel, const: dict, pointers: dict, ints_as_one: bool = False, num_warps: int = 4) -> Variant:
+    """Specialization data of one of graphrt's kernels, in the schema Triton's
+    ``JITFunction.preload`` reads. ``pointers`` maps pointer arguments to their element
+    type (others: ``*i32``); float scalars are the ``scale``/``softcap`` ones. With
+    ``ints_as_one`` every int argument is the constant 1, as Triton's launcher
+    specialises an int argument equal to 1 (the interpreter never does)."""
+    names = kernel.arg_names
+    const = dict(const)
     signature = {}
     for n in names:
         if n in const:
             signature[n] = "constexpr"
-        elif n == "slot_mapping_ptr":
-            signature[n] = "*i64"
-        elif n in ("k_scale_ptr", "v_scale_ptr"):
-            signature[n] = "*fp32"
         elif n.endswith("_ptr"):
-            signature[n] = "*bf16"
+            signature[n] = "*" + pointers.get(n, "i32")
+        elif n in ("scale_log2e", "softcap"):
+            signature[n] = "fp32"
+        elif ints_as_one:
+            signature[n], const[n] = "constexpr", 1
         else:
             signature[n] = "i32"
-    pointers = [[i] for i, n in enumerate(names) if signature[n].startswith("*")]
-    data = dict(name=_write_kv_kernel.fn.__qualname__, signature=signature,
+    ptrs = [[i] for i, n in enumerate(names) if signature[n].startswith("*")]
+    data = dict(name=kernel.fn.__qualname__, signature=signature,
                 constant_keys=[[names.index(k)] for k in const], constant_vals=list(const.values()),
-                attrs_keys=pointers, attrs_vals=[[["tt.divisibility", 16]]] * len(pointers),
-                options=dict(num_warps=4, num_stages=2), key="test")
-    return Variant(_write_kv_kernel.fn.__module__, _write_kv_kernel.fn.__qualname__, json.dumps(data))
+                attrs_keys=ptrs, attrs_vals=[[["tt.divisibility", 16]]] * len(ptrs),
+                options=dict(num_warps=num_warps, num_stages=2), key="test")
+    return Variant(kernel.fn.__module__, kernel.fn.__qualname__, json.dumps(data))
+
+
+def write_kv_variant(head_dim: int, fp8: bool = False, ints_as_one: bool = False) -> Variant:
+    """graphrt's KV-write kernel: bf16 K/V and cache (or an e4m3 cache), 8 KV heads."""
+    from graphrt.kernels.kv_write import _write_kv_kernel
+
+    const = dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, KV_BLOCK_SIZE=16,
+                 QUANTIZE=fp8, ROUND_E4M3=False)
+    cache = "fp8e4nv" if fp8 else "bf16"
+    pointers = dict(k_ptr="bf16", v_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache, slot_mapping_ptr="i64",
+                    k_scale_ptr="fp32", v_scale_ptr="fp32")
+    return variant(_write_kv_kernel, const, pointers, ints_as_one)
+
+
+def attention_variants(ints_as_one: bool) -> list[Variant]:
+    """The attention and merge kernels with every mask option on: a prefill launch with
+    the short-query path, split, windowed, soft-capped and with ranges (fp16); an e4m3
+    cache read by a bf16 query."""
+    from graphrt.kernels.paged_attention import _attn_kernel, _merge_kernel
+
+    common = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, KV_BLOCK_SIZE=16, QPK=4, QPK_PAD=4, MAX_RANGES=4,
+                  WINDOW_RULE=0, IEEE_DOT=False)
+    fp32 = dict(part_o_ptr="fp32", part_lse_ptr="fp32", k_scale_ptr="fp32", v_scale_ptr="fp32")
+    everything = dict(common, BLOCK_Q=64, BLOCK_N=64, SHORT_Q=4, SHORT_BLOCK_N=128, USE_WINDOW=True,
+                      USE_RANGES=True, USE_SOFTCAP=True, NUM_SPLITS=4, KV_FP8=False)
+    fp8 = dict(common, BLOCK_Q=4, BLOCK_N=128, SHORT_Q=0, SHORT_BLOCK_N=0, USE_WINDOW=False,
+               USE_RANGES=False, USE_SOFTCAP=False, NUM_SPLITS=1, KV_FP8=True)
+    halves = dict(fp32, q_ptr="fp16", out_ptr="fp16", k_cache_ptr="fp16", v_cache_ptr="fp16")
+    e4m3 = dict(fp32, q_ptr="bf16", out_ptr="bf16", k_cache_ptr="fp8e4nv", v_cache_ptr="fp8e4nv")
+    merge = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4)
+    return [variant(_attn_kernel, everything, halves, ints_as_one, num_warps=8),
+            variant(_attn_kernel, fp8, e4m3, ints_as_one),
+            variant(_merge_kernel, merge, dict(out_ptr="fp16", part_o_ptr="fp32", part_lse_ptr="fp32"), ints_as_one)]
 
 
 def test_workers_compile_variants_into_the_cache_without_a_gpu(tmp_path, monkeypatch):
@@ -58,6 +91,19 @@ def test_workers_compile_variants_into_the_cache_without_a_gpu(tmp_path, monkeyp
     broken = Variant(variants[0].module, "no_such_kernel", variants[0].data)
     failures = compile_in_pool([broken], ("cuda", 90, 32), workers=1)
     assert len(failures) == 1 and "no_such_kernel" in failures[0]
+
+
+def test_kernels_compile_for_the_gpu_with_int_arguments_specialised_to_one(tmp_path, monkeypatch):
+    # On a GPU, Triton turns an int argument equal to 1 (a stride, num_blocks, a table of
+    # one column) into a Python constant, which lacks tensor methods such as .to(); the
+    # interpreter that runs the kernel tests never does. Compiling for sm_90 with every
+    # int argument 1 catches such code without a GPU.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    variants = attention_variants(ints_as_one=True) + [write_kv_variant(128, fp8=True, ints_as_one=True)]
+    failures = compile_in_pool(variants, ("cuda", 90, 32), workers=2)
+    assert failures == []
+    assert len(list(tmp_path.rglob("*.cubin"))) == len(variants)
 
 
 @pytest.mark.gpu
