@@ -22,7 +22,7 @@ for part in "$@"; do
   log="$out/${part}_$c.log"
   case $part in
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -n "${JOBS:-6}" tests --ignore=tests/test_sanitizer.py ;;
-    sanitizer) timeout "$limit" python3 -m pytest -q -s -p no:cacheprovider -n 3 tests/test_sanitizer.py ;;
+    sanitizer) timeout "$limit" python3 -m pytest -q -rP -p no:cacheprovider -n 3 tests/test_sanitizer.py ;;
     ab-runtime) timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which runtime \
                   --rounds 2 --harness a --out /tmp/ab_runtime && cp /tmp/ab_runtime/ab_runtime.json "$out/" ;;
     probe-step) new=$(site new .); old=$(site old "$base")

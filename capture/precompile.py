@@ -8,10 +8,11 @@ help). ``precompile(runs)`` instead:
    variant this process has not compiled yet is recorded (its specialization data, the
    JSON Triton's ``JITFunction.preload`` takes) and skipped, neither compiled nor launched
    (the outputs of that pass are garbage; the torch ops around the kernels run as usual);
-2. loads the first recorded variant in this process (``preload``). Fast means Triton's
-   on-disk cache already holds it, and likely the rest: they load here one by one. Slow
-   (it compiled) means a cold cache: the others compile in fresh worker processes for
-   the same GPU target, which fill the on-disk cache, and then load here.
+2. starts fresh worker processes compiling all but the largest variant for the same GPU
+   target, and meanwhile loads the largest one in this process (``preload``). Fast means
+   Triton's on-disk cache already held it, and likely the rest: the workers are stopped
+   and the rest load here one by one. Slow (it compiled) means a cold cache: the workers
+   fill the on-disk cache, and then everything loads here.
 
 Correctness never rests on the pool: the kernels a capture launches are always the ones
 this process loads or compiles through Triton's own path; a variant a worker failed on, or
@@ -112,35 +113,56 @@ def compile_variant(variant: Variant, target: tuple) -> None:
     triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options.__dict__)
 
 
-def compile_in_pool(variants: list[Variant], target: tuple, workers: int) -> list[str]:
-    """Compile ``variants`` in ``workers`` fresh Python processes (each a share, one after
-    another); returns one message per variant that failed. The workers are plain
-    subprocesses (``python -c``), not multiprocessing's: spawning those would import the
-    caller's main script again in every worker."""
-    import subprocess
-    import sys
-    import tempfile
+class _Pool:
+    """Worker processes compiling shares of a variant list, started at once: ``finish``
+    waits for them and returns the failures, ``stop`` ends them early. The workers are
+    plain subprocesses (``python -c``), not multiprocessing's: spawning those would import
+    the caller's main script again in every worker."""
 
-    failures: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="graphrt-precompile-") as tmp:
-        jobs = []
+    def __init__(self, variants: list[Variant], target: tuple, workers: int):
+        import subprocess
+        import sys
+        import tempfile
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="graphrt-precompile-")
+        self._jobs = []
         for i in range(workers):
             share = variants[i::workers]
             if not share:
                 continue
-            path = os.path.join(tmp, f"share{i}.json")
+            path = os.path.join(self._tmp.name, f"share{i}.json")
             with open(path, "w") as f:
                 json.dump(dict(target=list(target), variants=[v.__dict__ for v in share]), f)
             code = "from graphrt.capture.precompile import _worker; _worker()"
-            jobs.append((share, path, subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE,
+            self._jobs.append((share, subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE,
                                                        stderr=subprocess.PIPE, text=True)))
-        for share, path, job in jobs:
+
+    def finish(self) -> list[str]:
+        """One message per variant that failed, once every worker has ended."""
+        failures: list[str] = []
+        for share, job in self._jobs:
             out, err = job.communicate()
             if job.returncode != 0:
                 failures += [f"{v.qualname}: worker exited with {job.returncode}: {err.strip()[-300:]}" for v in share]
                 continue
             failures += json.loads(out.strip().splitlines()[-1])
-    return failures
+        self._tmp.cleanup()
+        return failures
+
+    def stop(self) -> None:
+        """End the workers now (what they wrote to the cache stays: Triton writes each
+        file whole, by rename)."""
+        for _, job in self._jobs:
+            job.kill()
+        for _, job in self._jobs:
+            job.communicate()
+        self._tmp.cleanup()
+
+
+def compile_in_pool(variants: list[Variant], target: tuple, workers: int) -> list[str]:
+    """Compile ``variants`` in ``workers`` fresh Python processes (each a share, one after
+    another); returns one message per variant that failed."""
+    return _Pool(variants, target, workers).finish()
 
 
 def _worker() -> None:
@@ -171,16 +193,31 @@ def precompile(runs: Iterable[Callable[[], Any]], *, max_workers: int | None = N
     variants = collect(runs)
     report.variants = len(variants)
     if variants:
-        t = time.perf_counter()
-        _kernel(variants[0]).preload(variants[0].data)
-        rest = variants[1:]
-        if rest and time.perf_counter() - t > _LOADED_SECONDS:            # a cold cache
+        # Probe with the largest kernel: it takes seconds to compile and milliseconds to
+        # load from the cache, where a small one may compile in under the threshold. The
+        # workers start on the others meanwhile, so a cold cache loses no time to the probe.
+        probe = max(variants, key=lambda v: len(_kernel(v).src))
+        rest = [v for v in variants if v is not probe]
+        pool = None
+        if rest:
             gpu = driver.active.get_current_target()
-            target = (gpu.backend, gpu.arch, gpu.warp_size)
             report.workers = max(1, min(len(rest), max_workers or 8, os.cpu_count() or 1))
-            report.compiled_in_pool = len(rest)
-            report.failures = compile_in_pool(rest, target, report.workers)
-            report.failed_in_pool = len(report.failures)
+            pool = _Pool(rest, (gpu.backend, gpu.arch, gpu.warp_size), report.workers)
+        t = time.perf_counter()
+        try:
+            _kernel(probe).preload(probe.data)
+        except BaseException:
+            if pool is not None:
+                pool.stop()
+            raise
+        if pool is not None:
+            if time.perf_counter() - t > _LOADED_SECONDS:            # a cold cache
+                report.compiled_in_pool = len(rest)
+                report.failures = pool.finish()
+                report.failed_in_pool = len(report.failures)
+            else:                                                   # a warm one: load here
+                pool.stop()
+                report.workers = 0
         for v in rest:
             _kernel(v).preload(v.data)          # from the on-disk cache (or compiled here)
     report.seconds = time.perf_counter() - t0

@@ -93,6 +93,19 @@ def test_workers_compile_variants_into_the_cache_without_a_gpu(tmp_path, monkeyp
     assert len(failures) == 1 and "no_such_kernel" in failures[0]
 
 
+def test_a_pool_stopped_early_ends_its_workers(tmp_path, monkeypatch):
+    # what precompile does when its probe finds the cache warm
+    from graphrt.capture.precompile import _Pool
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pool = _Pool([write_kv_variant(64), write_kv_variant(128)], ("cuda", 90, 32), workers=2)
+    jobs = [job for _, job in pool._jobs]
+    assert len(jobs) == 2 and all(job.poll() is None for job in jobs)     # still importing
+    pool.stop()
+    assert all(job.returncode is not None for job in jobs)
+
+
 def test_kernels_compile_for_the_gpu_with_int_arguments_specialised_to_one(tmp_path, monkeypatch):
     # On a GPU, Triton turns an int argument equal to 1 (a stride, num_blocks, a table of
     # one column) into a Python constant, which lacks tensor methods such as .to(); the
