@@ -20,10 +20,10 @@ from graphrt.bench.common import time_ms, write
 from graphrt.bench.kernels import D, DEV, DT, HKV, HQ, _attend, causal_pairs
 from graphrt.kernels.paged_attention import KernelConfig, default_config
 
-SIZES = [4096, 16384]
+SIZES = [1024, 2048, 4096, 16384]
 # (tile rows, block_n, warps, stages); None: the table's choice for the launch
-CONFIGS = [None, (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (256, 64, 8, 3),
-           (256, 128, 8, 2), (64, 64, 4, 3)]
+CONFIGS = [None, (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (256, 64, 8, 3),
+           (256, 128, 8, 2)]
 
 
 def main() -> None:

@@ -124,6 +124,9 @@ class Step:
         (ceil(seq_len / block_size)) and its non-empty ranges."""
         if self.block_counts is None:
             self.block_counts = -(-self.seq_lens // block_size)
+        self._derive_range_counts()
+
+    def _derive_range_counts(self) -> None:
         if self.range_counts is None:
             r = self.ranges
             self.range_counts = (np.count_nonzero(r[:, :, 1] > r[:, :, 0], axis=1) if r.shape[1]
@@ -208,8 +211,7 @@ class Step:
         """Every limit at once, as array reductions (cheapest for many sequences). Sets
         ``block_columns``; derived block counts stay underived (each row then has exactly
         the blocks its seq_len needs: the widest row is the longest sequence's)."""
-        if self.range_counts is None:
-            self._derive_counts(cfg.block_size)
+        self._derive_range_counts()
         table, counts, bs = self.block_table, self.block_counts, cfg.block_size
         seq_max = int(self.seq_lens.max())
         self.block_columns = -(-seq_max // bs) if counts is None else int(counts.max())

@@ -462,14 +462,16 @@ class KernelConfig:
 # (benchmarks/NOTES.md); the others keep shared memory per program under ~200 KB:
 # stages x block_n x head_dim x 2 (K and V) x bytes.
 _TABLE = {
-    (True, 2): ((128, 4, 2), (128, 64, 4, 3, 128), (256, 64, 8, 3, 128)),
+    (True, 2): ((128, 4, 2), (64, 64, 4, 3, 128), (256, 64, 8, 3, 128)),
     (False, 2): ((64, 4, 2), (32, 32, 4, 2, 64), (64, 32, 4, 2, 64)),
     (True, 4): ((64, 4, 2), (64, 32, 4, 2, 64), (64, 32, 4, 2, 64)),
     (False, 4): ((32, 4, 2), (32, 16, 4, 2, 32), (32, 16, 4, 2, 32)),
 }
 # A launch with room for this many tokens is prefill-dominated (at most max_num_seqs of
-# them can be decodes): its 8-warp 256-row tiles are ~20% faster on prefills and ~25%
-# slower on the decodes beside them than the 4-warp 128-row ones.
+# them can be decodes): its 8-warp 256-row tiles were ~20% faster on prefills and ~25%
+# slower on the decodes beside them than 4-warp 128-row ones. Below it, the 4-warp 64-row
+# tile: 12% faster than the 128-row one on a 4k prefill, where that one spills (H200
+# sweep at cd8497a); 5% slower at 16k, which takes the large tile.
 LARGE_LAUNCH = 8192
 
 
