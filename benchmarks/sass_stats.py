@@ -4,7 +4,7 @@ ptxas and cuobjdump). Compare two source trees, or two configurations, at a glan
 
     python benchmarks/sass_stats.py [--tree DIR] [--window] [--fp8] [--block-q 4 --block-n 128 ...]
 
-The launch is specialised as the runtime's decode bucket of 256 sequences would be (bf16,
+The launch is specialised as the runtime's decode bucket of 256 (``--seqs``) sequences would be (bf16,
 32/8 heads, head_dim 128, KV block 16, block table column-major). Results depend on the
 Triton version (the H200 image has 3.6: install it beside, e.g. ``pip install --target
 /tmp/t36 triton==3.6.0`` and run with ``PYTHONPATH=/tmp/t36``).
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--seqs", type=int, default=256, help="the decode bucket's sequences")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
 
@@ -54,14 +55,15 @@ def main() -> None:
         const = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, KV_BLOCK_SIZE=16, QPK=4, QPK_PAD=4, BLOCK_Q=args.block_q,
                      BLOCK_N=args.block_n, SHORT_Q=args.short_q, SHORT_BLOCK_N=args.short_block_n, MAX_RANGES=8,
                      USE_WINDOW=args.window, WINDOW_RULE=0, USE_RANGES=True, USE_SOFTCAP=False,
-                     NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8)
+                     SPLIT=args.splits > 1, NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8)
         # the values the runtime passes for a 256-sequence decode bucket (what Triton
         # specialises on: == 1, divisible by 16)
         ints = dict(stride_q_tok=4096, stride_q_head=128, stride_k_blk=16384, stride_k_tok=1024, stride_k_head=128,
                     stride_v_blk=16384, stride_v_tok=1024, stride_v_head=128, stride_o_tok=4096, stride_o_head=128,
-                    stride_bt_seq=1, stride_bt_blk=256, stride_po_tok=4096, stride_po_head=128, stride_po_split=0,
-                    stride_pl_tok=4096, stride_pl_head=128, window=32, max_num_seqs=256, num_q_rows=256,
+                    stride_bt_seq=1, stride_bt_blk=args.seqs, stride_po_tok=4096, stride_po_head=128, stride_po_split=0,
+                    stride_pl_tok=4096, stride_pl_head=128, window=32, max_num_seqs=args.seqs, num_q_rows=args.seqs,
                     num_blocks=18432, max_blocks_per_seq=68)
+        fixed = {n for i, n in enumerate(names) if i in fn.do_not_specialize or n in fn.do_not_specialize}
         signature, attrs = {}, {}
         for i, n in enumerate(names):
             if n in const:
@@ -76,11 +78,14 @@ def main() -> None:
                 signature[n] = "*i32"
             elif n in ("scale_log2e", "softcap"):
                 signature[n] = "fp32"
+            elif n in fixed:                      # do_not_specialize: a plain i32
+                signature[n] = "i32"
             elif ints.get(n) == 1:
                 signature[n], const[n] = "constexpr", 1
             else:
                 signature[n] = "i32"
-            if signature[n].startswith("*") or (n in ints and ints[n] % 16 == 0 and signature[n] != "constexpr"):
+            if signature[n].startswith("*") or (n in ints and n not in fixed and ints[n] % 16 == 0
+                                                and signature[n] != "constexpr"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         constexprs = {(names.index(k),): v for k, v in const.items() if k in names}
         kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),

@@ -21,10 +21,13 @@ key tiles instead, so prefill-sized tiles do not multiply their cost.
 Key tiles that every row of a query tile sees in full (below the causal diagonal, inside
 the window) skip the mask; only the tiles at the edges build it.
 
-Split-KV (flash-decoding): with NUM_SPLITS > 1 each tile's visible key span is cut on the
-device into NUM_SPLITS equal runs of key tiles; each split writes a partial output and its
-log-sum-exp, and ``_merge_kernel`` combines them. The split count is fixed at launch, the
-split lengths follow each step's contexts on the device.
+Split-KV (flash-decoding): with SPLIT each tile's visible key span is cut on the device
+into as many equal runs of key tiles as the grid's third dimension has programs; each split
+writes a partial output and its log-sum-exp, and ``_merge_kernel`` combines them. The split
+count is fixed at launch, the split lengths follow each step's contexts on the device. The
+count is not a compile-time constant of the attention kernel, so the decode buckets'
+split factors (1 to 64) share two variants of it (split or not), which keeps capture's
+compiles down (the merge kernel, small and quick to compile, keeps one per factor).
 """
 
 from __future__ import annotations
@@ -210,7 +213,7 @@ def _attend_tile(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
     sequence over this split's share of its visible key tiles; writes the output, or the
@@ -274,8 +277,8 @@ def _attend_tile(
     ft_hi = tl.minimum(tl.maximum(tl.minimum(first_pos + 1, seq_len) // BLOCK_N, ft_lo), kt_hi)
     st_lo = kt_lo
     st_hi = kt_hi
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(kt_hi - kt_lo, NUM_SPLITS)
+    if SPLIT:        # the split count is the grid's third dimension: one variant serves any
+        per_split = tl.cdiv(kt_hi - kt_lo, tl.num_programs(2))
         st_lo = kt_lo + i_split * per_split
         st_hi = tl.minimum(st_lo + per_split, kt_hi)
 
@@ -321,7 +324,7 @@ def _attend_tile(
     o_tok_abs = o_row.to(tl.int64)
     m_out = m_row[:, None] & m_d[None, :]
     p_out = out_ptr + o_tok_abs[:, None] * stride_o_tok + i_qh[:, None] * stride_o_head + o_d[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(p_out, b_o.to(out_ptr.dtype.element_ty), mask=m_out)
     else:
         p_po = part_o_ptr + o_tok_abs[:, None] * stride_po_tok + i_qh[:, None] * stride_po_head + o_d[None, :]
@@ -331,7 +334,16 @@ def _attend_tile(
                  mask=m_row)
 
 
-@triton.jit
+# Sizes and strides that differ between buckets without changing the code worth having:
+# not specialised (Triton would compile one variant for == 1, one for multiples of 16 and
+# one for the rest), so that capture compiles fewer variants.
+# (The block table is column-major in the runtime: its column stride is the bucket's
+# sequence count.)
+_PER_BUCKET = ["max_num_seqs", "num_q_rows", "stride_bt_blk", "stride_po_tok", "stride_po_head", "stride_po_split",
+               "stride_pl_tok", "stride_pl_head"]
+
+
+@triton.jit(do_not_specialize=_PER_BUCKET)
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr, k_scale_ptr, v_scale_ptr,
@@ -351,7 +363,7 @@ def _attn_kernel(
     SHORT_Q: tl.constexpr, SHORT_BLOCK_N: tl.constexpr,
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Tiles in reverse order: a sequence's last query tiles see the most keys (causal), so
     # they start first and the short ones fill the tail of the launch.
@@ -397,7 +409,7 @@ def _attn_kernel(
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, SHORT_Q, SHORT_BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT, KV_FP8)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8)
     else:
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
@@ -408,7 +420,7 @@ def _attn_kernel(
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, NUM_SPLITS, IEEE_DOT, KV_FP8)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8)
 
 
 @triton.jit
@@ -467,6 +479,9 @@ _TABLE = {
     (True, 4): ((64, 4, 2), (64, 32, 4, 2, 64), (64, 32, 4, 2, 64)),
     (False, 4): ((32, 4, 2), (32, 16, 4, 2, 32), (32, 16, 4, 2, 32)),
 }
+# Split-KV factors allowed.
+MAX_SPLITS = 64
+
 # A launch with room for this many tokens is prefill-dominated (at most max_num_seqs of
 # them can be decodes): its 8-warp 256-row tiles were ~20% faster on prefills and ~25%
 # slower on the decodes beside them than 4-warp 128-row ones. Below it, the 4-warp 64-row
@@ -576,8 +591,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"softcap must be a number in [{lo:g}, {hi:g}] or None, got {softcap!r}")
     if scale is not None and not (_is_real(scale) and lo <= scale <= hi):
         raise ValueError(f"scale must be a number in [{lo:g}, {hi:g}] or None, got {scale!r}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= 64:
-        raise ValueError(f"num_splits must be an int in [1, 64], got {num_splits!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     qpk = num_q_heads // num_kv_heads
@@ -606,7 +621,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if part_lse.stride(2) != 1:
             raise ValueError("workspace[1] needs a contiguous last dim")
     else:
-        part_o, part_lse = out, out    # unused by the kernel when NUM_SPLITS == 1
+        part_o, part_lse = out, out    # unused by the kernel without SPLIT
 
     head_dim_pad = triton.next_power_of_2(head_dim)
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
@@ -629,7 +644,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_WINDOW=window is not None, WINDOW_RULE=rule, USE_RANGES=ranges and meta.max_prefix_ranges > 0,
         USE_SOFTCAP=softcap is not None,
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
-        NUM_SPLITS=num_splits, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
+        SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
         KV_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
