@@ -12,6 +12,7 @@ the step's one host-to-device copy. The Step is built inside the timed call (fro
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -30,8 +31,13 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
     layers_list, batches, context, steps = ([1, 2], [1, 4], 48, 3) if small else ([1, 8, 32], [1, 8, 64, 256], 1024,
                                                                                     200)
     rows = []
+    rt = None
     for layers in layers_list:
         for nvtx_on in (False, True):
+            # the previous runtime goes first (it holds a reference cycle: without a
+            # collection its graphs and caches would stay alive beside this one)
+            del rt
+            gc.collect()
             rt = toy_runtime(layers, max(batches), context, small=small, nvtx=nvtx_on)
             cfg = rt.cfg
             rt.capture(decode_buckets=batches, mixed_buckets=[cfg.max_num_tokens], quiet=True)
