@@ -149,3 +149,74 @@ def test_capture_with_precompile_matches_eager(tmp_path, monkeypatch):
         torch.testing.assert_close(hidden[:n].float(), want_hidden[:n].float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(logits[: step.num_seqs].float(), want_logits[: step.num_seqs].float(), atol=5e-2,
                                    rtol=5e-2)
+
+
+def test_decode_buckets_of_every_size_share_the_attention_variants(monkeypatch):
+    # Capture compiles one attention variant per distinct specialization key. Decode
+    # buckets differ in their sequence count and split factor; neither may add variants:
+    # all default decode buckets together need what the one-sequence bucket (split) and
+    # the largest one (unsplit) need. Keys follow Triton's rule for launch arguments:
+    # constexprs by value, ints by == 1 / multiple of 16 / other unless
+    # do_not_specialize, tensors by dtype. No kernel runs: the launches are recorded.
+    import inspect
+
+    import graphrt.kernels.kv_write as kv_write
+    import graphrt.kernels.paged_attention as pa
+    import graphrt.runtime as runtime_module
+    from graphrt import Runtime, RuntimeConfig
+    from graphrt.capture.buckets import default_buckets, make_buckets
+    from graphrt.runtime import StepContext
+    from graphrt.toy import ToyModel
+
+    names = list(inspect.signature(pa._attn_kernel.fn).parameters)
+    keys: list = []
+
+    def key_of(args, kwargs) -> tuple:
+        out = []
+        for name, value in [*zip(names, args), *sorted(kwargs.items())]:
+            if isinstance(value, torch.Tensor):
+                kind = str(value.dtype)
+            elif name.isupper() or name in ("num_warps", "num_stages"):
+                kind = value
+            elif isinstance(value, bool) or not isinstance(value, int):
+                kind = type(value).__name__
+            elif name in pa._PER_BUCKET:
+                kind = "i32"
+            else:
+                kind = "1" if value == 1 else "D" if value % 16 == 0 else "N"
+            out.append((name, kind))
+        return tuple(out)
+
+    class Recorder:
+        def __init__(self, sink):
+            self.sink = sink
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.sink.append(key_of(args, kwargs)) if self.sink is not None else None
+
+    monkeypatch.setattr(pa, "_attn_kernel", Recorder(keys))
+    monkeypatch.setattr(pa, "_merge_kernel", Recorder(None))
+    monkeypatch.setattr(kv_write, "_write_kv_kernel", Recorder(None))
+    # the split factors of a 132-SM GPU (decode_splits off CUDA is always 1)
+    monkeypatch.setattr(runtime_module, "decode_splits",
+                        lambda n, kv_heads, device: 1 << (max(1, min(64, 264 // (n * kv_heads))).bit_length() - 1))
+    cfg = RuntimeConfig(num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16, num_blocks=64, max_num_seqs=256,
+                        max_num_tokens=512, max_model_len=64, max_prefix_ranges=1, dtype=torch.float32)
+    rt = Runtime(cfg, ToyModel(cfg, num_layers=2, hidden=32, vocab=16, device="cpu"), num_layers=2, device="cpu")
+    decode, _ = default_buckets(cfg.max_num_seqs, cfg.max_num_tokens)
+    per_bucket = {}
+    for bucket in make_buckets(decode, [], cfg.max_num_seqs, cfg.max_num_tokens):
+        layout = rt.buffers.layout(bucket.num_seqs, bucket.num_tokens)
+        rt.buffers.stage_empty(layout)
+        ctx = StepContext(rt, rt.buffers.device_views(layout), max_query_len=bucket.max_query_len,
+                          num_splits=runtime_module.decode_splits(bucket.num_seqs, cfg.num_kv_heads, "cpu"))
+        keys.clear()
+        rt.model_step(ctx)
+        per_bucket[bucket.num_seqs] = set(keys)
+    assert len(per_bucket) >= 8 and per_bucket[1] and per_bucket[256]
+    every = set().union(*per_bucket.values())
+    expected = per_bucket[1] | per_bucket[256]
+    extra = every - expected
+    near = [min(expected, key=lambda k: len(set(k) ^ set(e))) for e in extra]
+    assert not extra, (f"{len(every)} attention variants for {len(per_bucket)} decode buckets, expected "
+                       f"{len(expected)}; extra ones differ in {[sorted(set(e) - set(k)) for e, k in zip(extra, near)]}")
