@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of a commit, in one go, for a machine with a CUDA device:
 #   bash benchmarks/h200_checks.sh OUT PART...
-# PART: tests | sanitizer | ab-runtime | probe-step | probe-host | probe-ops | bench-host | bench-capture |
+# PART: tests | sanitizer | tests+sanitizer (first only: both at once) | ab-runtime | probe-step | probe-host | probe-ops | bench-host | bench-capture |
 #       bench-kernels | sweep-fp8 | sweep-prefill. ab-runtime and probe-step compare with the tree in $BASE
-#       (a `git archive` of an older commit; default .base); JOBS: pytest workers for tests (default 6). Each part runs under its own
+#       (a `git archive` of an older commit; default .base); JOBS: pytest workers for tests (default 10). Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
 #       failing part does not stop the others. GRAPHRT_COMMIT labels the JSONs.
 set -u
@@ -18,10 +18,16 @@ site() {   # an importable copy of a tree: graphrt/ with kernels/ and capture/ i
   cp -r "$2/graphrt" "$d/"; cp -r "$2/kernels" "$2/capture" "$d/graphrt/"; cp -r graphrt/bench/. "$d/graphrt/bench/"
   echo "$d"
 }
+if [ "${1:-}" = "tests+sanitizer" ]; then   # both at once (CPU-bound compiles beside the sanitizer: ~4-5 min)
+  shift
+  bash "$0" "$out" tests & pid=$!
+  bash "$0" "$out" sanitizer
+  wait $pid
+fi
 for part in "$@"; do
   log="$out/${part}_$c.log"
   case $part in
-    tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -n "${JOBS:-6}" tests --ignore=tests/test_sanitizer.py ;;
+    tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -n "${JOBS:-10}" tests --ignore=tests/test_sanitizer.py ;;
     sanitizer) timeout "$limit" python3 -m pytest -q -rP -p no:cacheprovider -n 3 tests/test_sanitizer.py ;;
     ab-runtime) timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which runtime \
                   --rounds 2 --harness a --out /tmp/ab_runtime && cp /tmp/ab_runtime/ab_runtime.json "$out/" ;;
