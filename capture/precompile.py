@@ -134,14 +134,19 @@ class _Pool:
             with open(path, "w") as f:
                 json.dump(dict(target=list(target), variants=[v.__dict__ for v in share]), f)
             code = "from graphrt.capture.precompile import _worker; _worker()"
-            self._jobs.append((share, subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE,
-                                                       stderr=subprocess.PIPE, text=True)))
+            # output to files, not pipes: nobody reads a pipe before the workers end, and a
+            # full one would stall its worker
+            with open(path + ".out", "w") as out, open(path + ".err", "w") as err:
+                job = subprocess.Popen([sys.executable, "-c", code, path], stdout=out, stderr=err)
+            self._jobs.append((share, job, path))
 
     def finish(self) -> list[str]:
         """One message per variant that failed, once every worker has ended."""
         failures: list[str] = []
-        for share, job in self._jobs:
-            out, err = job.communicate()
+        for share, job, path in self._jobs:
+            job.wait()
+            with open(path + ".out") as f_out, open(path + ".err") as f_err:
+                out, err = f_out.read(), f_err.read()
             if job.returncode != 0:
                 failures += [f"{v.qualname}: worker exited with {job.returncode}: {err.strip()[-300:]}" for v in share]
                 continue
@@ -152,10 +157,10 @@ class _Pool:
     def stop(self) -> None:
         """End the workers now (what they wrote to the cache stays: Triton writes each
         file whole, by rename)."""
-        for _, job in self._jobs:
+        for _, job, _ in self._jobs:
             job.kill()
-        for _, job in self._jobs:
-            job.communicate()
+        for _, job, _ in self._jobs:
+            job.wait()
         self._tmp.cleanup()
 
 

@@ -100,7 +100,7 @@ def test_a_pool_stopped_early_ends_its_workers(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     pool = _Pool([write_kv_variant(64), write_kv_variant(128)], ("cuda", 90, 32), workers=2)
-    jobs = [job for _, job in pool._jobs]
+    jobs = [job for _, job, _ in pool._jobs]
     assert len(jobs) == 2 and all(job.poll() is None for job in jobs)     # still importing
     pool.stop()
     assert all(job.returncode is not None for job in jobs)
