@@ -2,7 +2,7 @@
 # The GPU checks of a commit, in one go, for a machine with a CUDA device:
 #   bash benchmarks/h200_checks.sh OUT PART...
 # PART: tests | sanitizer | tests+sanitizer (first only: both at once) | ab-runtime | probe-step | probe-host | probe-ops | bench-host | bench-capture |
-#       bench-kernels | sweep-fp8 | sweep-prefill. ab-runtime and probe-step compare with the tree in $BASE
+#       bench-kernels | sweep-fp8 | sweep-prefill | sweep-splits. ab-runtime and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base); JOBS: pytest workers for tests (default 10). Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
 #       failing part does not stop the others. GRAPHRT_COMMIT labels the JSONs.
@@ -41,6 +41,7 @@ for part in "$@"; do
     bench-kernels) timeout "$limit" python3 -m graphrt bench kernels --out "$out" ;;
     sweep-fp8) timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" ;;
     sweep-prefill) timeout "$limit" python3 benchmarks/sweep_prefill.py --out "$out" ;;
+    sweep-splits) timeout "$limit" python3 benchmarks/sweep_splits.py --out "$out" ;;
     *) echo "unknown part $part" ;;
   esac > "$log" 2>&1
   echo "rc=$?" >> "$log"

@@ -74,9 +74,11 @@ def _caches(nblk: int, fp8: bool = False):
     return kc, vc
 
 
-def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50, fp8: bool = False, config=None):
+def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50, fp8: bool = False, config=None,
+            splits: int | None = None):
     """(ms, splits) of one paged_attention launch over fresh random data; ``config``: a
-    ``KernelConfig`` instead of the table's."""
+    ``KernelConfig`` instead of the table's; ``splits``: a split factor instead of
+    ``decode_splits``'."""
     from graphrt.kernels import decode_splits, paged_attention, split_workspace
 
     meta, nblk = make_meta(q_lens, ctx_lens, ranges)
@@ -84,7 +86,8 @@ def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50, fp8: boo
     scales = dict(k_scale=torch.ones(HKV, device=DEV), v_scale=torch.ones(HKV, device=DEV)) if fp8 else {}
     q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=DT)
     out = torch.empty_like(q)
-    splits = decode_splits(len(q_lens), HKV, DEV) if decode else 1
+    if splits is None:
+        splits = decode_splits(len(q_lens), HKV, DEV) if decode else 1
     ws = split_workspace(q.shape[0], HQ, D, splits, DEV) if splits > 1 else None
     ms = time_ms(lambda: paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws,
                                          max_query_len=1 if decode else None, config=config, **scales), iters=iters)
