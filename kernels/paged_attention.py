@@ -509,8 +509,9 @@ def default_config(head_dim: int, dtype: torch.dtype, queries_per_kv: int, *,
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) -> int:
     """Split-KV factor for a decode launch of ``num_seqs`` sequences, fixed before capture:
     about two programs per SM (sequences x KV heads x splits), rounded down to a power of
-    two (fewer kernel variants to compile across buckets), at most 64; the split lengths
-    then follow each step's contexts on the device. 1 off CUDA."""
+    two, at most 64; the split lengths then follow each step's contexts on the device. 1
+    off CUDA. (The power of two once bounded the kernel variants; the split count is now a
+    launch dimension, so any factor is free: ``benchmarks/sweep_splits.py`` measures them.)"""
     device = torch.device(device)
     if device.type != "cuda":
         return 1
