@@ -158,16 +158,18 @@ def test_decode_buckets_of_every_size_share_the_attention_variants(monkeypatch):
     # the largest one (unsplit) need. Keys follow Triton's rule for launch arguments:
     # constexprs by value, ints by == 1 / multiple of 16 / other unless
     # do_not_specialize, tensors by dtype. No kernel runs: the launches are recorded.
+    import importlib
     import inspect
 
-    import graphrt.kernels.kv_write as kv_write
-    import graphrt.kernels.paged_attention as pa
     import graphrt.runtime as runtime_module
     from graphrt import Runtime, RuntimeConfig
     from graphrt.capture.buckets import default_buckets, make_buckets
     from graphrt.runtime import StepContext
     from graphrt.toy import ToyModel
 
+    # the modules (graphrt.kernels exports a function named paged_attention too)
+    pa = importlib.import_module("graphrt.kernels.paged_attention")
+    kv_write = importlib.import_module("graphrt.kernels.kv_write")
     names = list(inspect.signature(pa._attn_kernel.fn).parameters)
     keys: list = []
 
