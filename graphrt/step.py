@@ -16,6 +16,11 @@ import torch
 from graphrt.config import RuntimeConfig
 from graphrt.kernels.metadata import AttentionMetadata
 
+try:        # the same checks and writes in one C pass each (setup.py builds it where it can)
+    from graphrt import _fast
+except ImportError:
+    _fast = None
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
@@ -143,6 +148,14 @@ class Step:
         n = self.num_seqs
         if not 1 <= n <= cfg.max_num_seqs:
             raise ValueError(f"Step has {n} sequences; allowed 1..max_num_seqs={cfg.max_num_seqs}")
+        if _fast is not None:
+            columns = _fast.check(self.q_lens, self.context_lens, self.block_table, self.block_counts, self.ranges,
+                                  self.range_counts, cfg.block_size, cfg.max_num_tokens, cfg.max_model_len,
+                                  cfg.max_blocks_per_seq, cfg.num_blocks, cfg.max_prefix_ranges)
+            if columns is not None:
+                self.block_columns = columns
+                return
+            # broken somewhere: the checks below find where, and say it
         if n <= _SMALL_STEP:
             counts = self._checks_small(cfg)
             if counts is None:
@@ -298,6 +311,10 @@ class Step:
         padded tokens get slot -1. Only what the kernels read is written: block-table
         entries past the step's columns and rows of padded sequences keep old values.
         """
+        if _fast is not None:
+            _fast.pack(self.q_lens, self.context_lens, self.block_table, self.ranges, block_size, self.block_columns,
+                       query_start_loc, seq_lens, block_table, prefix_ranges, slot_mapping, positions)
+            return
         n, total = self.num_seqs, self.num_tokens
         qsl = query_start_loc
         if self.is_decode:            # 0, 1, ..., n (np.cumsum costs several us on a few items)

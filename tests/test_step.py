@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -228,13 +230,18 @@ def test_small_and_numpy_checks_agree():
     assert 0.05 < np.mean(verdicts) < 0.95, f"the random steps should be both valid and not ({np.mean(verdicts):.2f})"
 
 
-def test_python_and_numpy_paths_validate_and_pack_alike(monkeypatch):
+def test_python_numpy_and_c_paths_validate_and_pack_alike(monkeypatch):
     """Small steps are validated in Python (derived counts and the written-blocks check
-    included, which also hand pack the decode slots), larger ones with numpy: forced down
-    either path, random steps (decodes and chunks, given and derived counts, repeated
-    blocks now and then, any limit broken) get the same error message or the same packed
-    arrays."""
+    included, which also hand pack the decode slots), larger ones with numpy, and both
+    are done by the C helper where it was built (graphrt._fast; on a broken step the
+    Python checks then run for the message): forced down each path, random steps
+    (decodes and chunks, given and derived counts, repeated blocks now and then, any
+    limit broken) get the same error message or the same packed arrays."""
     import graphrt.step as step_module
+
+    paths = [(1000, None), (0, None)] + ([(1000, step_module._fast)] if step_module._fast is not None else [])
+    if os.environ.get("CI") and step_module._fast is None:
+        pytest.fail("graphrt._fast was not built (setup.py): CI must cover the C path")
 
     seed = fresh_seed()
     rng, _ = rngs(seed)
@@ -244,8 +251,9 @@ def test_python_and_numpy_paths_validate_and_pack_alike(monkeypatch):
     for _ in range(400):
         kwargs = random_step_arrays(rng, 12, cfg.num_blocks, decode_p=0.5, distinct_p=0.6, derived_p=0.5)
         results = []
-        for small in (1000, 0):
+        for small, fast in paths:
             monkeypatch.setattr(step_module, "_SMALL_STEP", small)
+            monkeypatch.setattr(step_module, "_fast", fast)
             step = Step.from_arrays(**kwargs)
             try:
                 step.validate(cfg)
@@ -253,11 +261,11 @@ def test_python_and_numpy_paths_validate_and_pack_alike(monkeypatch):
                 results.append(("error", str(exc)))
                 continue
             host = dict(query_start_loc=np.zeros(13, np.int32), seq_lens=np.zeros(12, np.int32),
-                        block_table=np.zeros((12, cfg.max_blocks_per_seq), np.int32),
+                        block_table=np.zeros((cfg.max_blocks_per_seq, 12), np.int32).T,   # as the staging view
                         prefix_ranges=np.zeros((12, 3, 2), np.int32), slot_mapping=np.zeros(80, np.int64),
                         positions=np.zeros(80, np.int64))
             step.pack(cfg.block_size, **host)
             results.append(("packed", step.block_columns, {k: v.tolist() for k, v in host.items()}))
-        assert results[0] == results[1], f"Python and numpy paths differ (seed={seed}): {kwargs}\n{results}"
+        assert all(r == results[0] for r in results), f"the paths differ (seed={seed}): {kwargs}\n{results}"
         outcomes.append(results[0][0])
     assert 0.1 < outcomes.count("error") / len(outcomes) < 0.9, f"steps should be both valid and not (seed={seed})"
