@@ -230,6 +230,7 @@ class Step:
         self.block_columns = -(-seq_max // bs) if counts is None else int(counts.max())
         ok = (self.q_lens.min() >= 1 and self.context_lens.min() >= 0 and self.num_tokens <= cfg.max_num_tokens
               and seq_max <= cfg.max_model_len
+              and self.q_lens.max() <= cfg.max_model_len and self.context_lens.max() <= cfg.max_model_len
               and (counts is None or (counts * bs >= self.seq_lens).all())
               and self.block_columns <= min(cfg.max_blocks_per_seq, table.shape[1])
               and (table.size == 0 or table.view(np.uint64).max() < cfg.num_blocks)
@@ -262,6 +263,7 @@ class Step:
         else:                         # the non-empty ranges, as from_arrays documents
             rcounts = [sum(e > s for s, e in row) for row in rows]
         if (min(q) < 1 or min(c) < 0 or self.num_tokens > cfg.max_num_tokens or max(sl) > cfg.max_model_len
+                or max(c) > cfg.max_model_len or max(q) > cfg.max_model_len    # (seq_len may have wrapped)
                 or max(rcounts) > cfg.max_prefix_ranges):
             return None
         limit = min(cfg.max_blocks_per_seq, table.shape[1])
@@ -282,6 +284,11 @@ class Step:
         self._derive_counts(cfg.block_size)
         _first_bad(self.q_lens < 1, "q_len must be >= 1, got {}", self.q_lens)
         _first_bad(self.context_lens < 0, "context_len must be >= 0, got {}", self.context_lens)
+        # each alone first: their int64 sum (seq_len) wraps for huge values
+        _first_bad(self.q_lens > cfg.max_model_len, f"q_len {{}} exceeds max_model_len={cfg.max_model_len}",
+                   self.q_lens)
+        _first_bad(self.context_lens > cfg.max_model_len,
+                   f"context_len {{}} exceeds max_model_len={cfg.max_model_len}", self.context_lens)
         if self.num_tokens > cfg.max_num_tokens:
             raise ValueError(f"Step has {self.num_tokens} new tokens, more than max_num_tokens={cfg.max_num_tokens}")
         seq_lens = self.seq_lens

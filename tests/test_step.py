@@ -269,3 +269,24 @@ def test_python_numpy_and_c_paths_validate_and_pack_alike(monkeypatch):
         assert all(r == results[0] for r in results), f"the paths differ (seed={seed}): {kwargs}\n{results}"
         outcomes.append(results[0][0])
     assert 0.1 < outcomes.count("error") / len(outcomes) < 0.9, f"steps should be both valid and not (seed={seed})"
+
+
+@pytest.mark.parametrize("field", ["context_lens", "q_lens"])
+def test_huge_lengths_are_refused_not_wrapped(monkeypatch, field):
+    """context_len + q_len of int64 values near the top wraps to a negative seq_len, which
+    passed every limit before; each length is now held to max_model_len on its own, on
+    every validation path."""
+    import graphrt.step as step_module
+
+    cfg = RuntimeConfig(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=40, max_num_seqs=40,
+                        max_num_tokens=80, max_model_len=120, max_prefix_ranges=3, dtype=torch.float32)
+    paths = [(1000, None), (0, None)] + ([(1000, step_module._fast)] if step_module._fast is not None else [])
+    for n in (2, 40):               # a few sequences (Python checks) and many (numpy)
+        arrays = dict(q_lens=np.ones(n, np.int64), context_lens=np.full(n, 5, np.int64),
+                      block_table=np.arange(n, dtype=np.int64)[:, None])
+        arrays[field][0] = np.iinfo(np.int64).max
+        for small, fast in paths:
+            monkeypatch.setattr(step_module, "_SMALL_STEP", small)
+            monkeypatch.setattr(step_module, "_fast", fast)
+            with pytest.raises(ValueError, match=f"seq 0: {field[:-1]} {np.iinfo(np.int64).max} exceeds max_model_len"):
+                Step.from_arrays(**arrays).validate(cfg)
