@@ -294,11 +294,12 @@ class Step:
         seq_lens = self.seq_lens
         _first_bad(seq_lens > cfg.max_model_len, f"context_len + q_len = {{}} exceeds max_model_len={cfg.max_model_len}",
                    seq_lens)
-        _first_bad(self.block_counts * cfg.block_size < seq_lens,
-                   f"has {{}} block_ids, fewer than the ceil(seq_len / {cfg.block_size}) its seq_len needs",
-                   self.block_counts)
+        # (the upper limit first: a huge count times the block size wraps)
         _first_bad(self.block_counts > min(cfg.max_blocks_per_seq, self.block_table.shape[1]),
                    f"has {{}} block_ids, more than max_blocks_per_seq={cfg.max_blocks_per_seq} (or its row)",
+                   self.block_counts)
+        _first_bad(self.block_counts * cfg.block_size < seq_lens,
+                   f"has {{}} block_ids, fewer than the ceil(seq_len / {cfg.block_size}) its seq_len needs",
                    self.block_counts)
         used = np.arange(self.block_table.shape[1]) < self.block_counts[:, None]
         bad = used & ((self.block_table < 0) | (self.block_table >= cfg.num_blocks))
