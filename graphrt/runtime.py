@@ -169,7 +169,7 @@ class Runtime:
         self._weight_lookup: tuple[list[dict], list[str]] | None = None   # owners and keys of _weight_slots
         self.last: StepInfo | None = None
         self._layouts: dict[Bucket, Layout] = {}
-        self._contexts: dict[Bucket, StepContext] = {}
+        self._prepared: dict[Bucket, tuple[Layout, StepContext]] = {}    # what a replay of the bucket stages into
 
     def set_kv_scales(self, k_scales: Any, v_scales: Any) -> None:
         """Scales of an fp8 cache: K is stored as K / k_scale and read back as code * k_scale,
@@ -219,7 +219,7 @@ class Runtime:
             ctx = StepContext(self, self.buffers.device_views(layout), max_query_len=bucket.max_query_len,
                               num_splits=(decode_splits(bucket.num_seqs, cfg.num_kv_heads, self.device)
                                           if bucket.kind == "decode" else 1))
-            self._contexts[bucket] = ctx
+            self._prepared[bucket] = (layout, ctx)
             return lambda: self.model_step(ctx)
 
         from tqdm.auto import tqdm
@@ -288,36 +288,37 @@ class Runtime:
         step.validate(self.cfg)
         host_ids, device_ids = _check_input_ids(input_ids, step.num_tokens, self.device)
         rows = _check_embeds(embeds, embed_rows, step.num_tokens, self.cfg, self.device)
-        captured = self.graphs.pick(step.num_seqs, step.num_tokens, step.is_decode) if self.graphs else None
+        n_seqs, n_tokens = step.num_seqs, step.num_tokens
+        captured = self.graphs.pick(n_seqs, n_tokens, step.is_decode) if self.graphs else None
         if captured is not None:
             self.graphs.check_guard()
         strict = self.strict and self.device.type == "cuda"
         sync_mode = _sync_debug_error() if strict else _NULL
+        # NVTX off: no range objects and no message fields are built at all
+        tr = self.tracer if self.tracer.enabled else None
         with sync_mode:
             if captured is not None:
                 bucket = captured.bucket
-                layout, ctx = self._layouts[bucket], self._contexts[bucket]
+                layout, ctx = self._prepared[bucket]
             else:
-                bucket, layout = None, self.buffers.layout(step.num_seqs, step.num_tokens)
+                bucket, layout = None, self.buffers.layout(n_seqs, n_tokens)
                 ctx = StepContext(self, self.buffers.device_views(layout), max_query_len=None, num_splits=1)
             nbytes = layout.copy_bytes(step.block_columns)
-            tr = self.tracer
-            with tr.range("stage", bucket=bucket, seqs=step.num_seqs, tokens=step.num_tokens):
+            with tr.range("stage", bucket=bucket, seqs=n_seqs, tokens=n_tokens) if tr else _NULL:
                 slot = self.buffers.pack(step, layout, host_ids, rows)
-            with tr.range("copy", bytes=nbytes):
+            with tr.range("copy", bytes=nbytes) if tr else _NULL:
                 self.buffers.copy(slot, nbytes, strict=strict)
                 if device_ids is not None:
-                    ctx.input_ids[: step.num_tokens].copy_(device_ids, non_blocking=True)
+                    ctx.input_ids[:n_tokens].copy_(device_ids, non_blocking=True)
                 if rows is not None:
                     ctx.inputs_embeds[: rows.shape[0]].copy_(embeds, non_blocking=True)
             if captured is not None:
-                with tr.range("replay", bucket=bucket, seqs=step.num_seqs, tokens=step.num_tokens):
+                with tr.range("replay", bucket=bucket, seqs=n_seqs, tokens=n_tokens) if tr else _NULL:
                     outputs = self.graphs.replay(captured)
             else:
-                with tr.range("eager", seqs=step.num_seqs, tokens=step.num_tokens):
+                with tr.range("eager", seqs=n_seqs, tokens=n_tokens) if tr else _NULL:
                     outputs = self.model_step(ctx)
-        self.last = StepInfo("replay" if captured is not None else "eager", bucket, step.num_seqs, step.num_tokens,
-                             nbytes)
+        self.last = StepInfo("replay" if captured is not None else "eager", bucket, n_seqs, n_tokens, nbytes)
         return outputs
 
 
