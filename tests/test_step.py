@@ -290,3 +290,38 @@ def test_huge_lengths_are_refused_not_wrapped(monkeypatch, field):
             monkeypatch.setattr(step_module, "_fast", fast)
             with pytest.raises(ValueError, match=f"seq 0: {field[:-1]} {np.iinfo(np.int64).max} exceeds max_model_len"):
                 Step.from_arrays(**arrays).validate(cfg)
+
+
+def test_c_helper_refuses_arrays_that_do_not_fit():
+    """graphrt._fast reads and writes only inside the arrays it is given: called directly
+    with lengths that disagree, negative lengths, keys past the table or views too small,
+    it raises instead of touching memory outside them."""
+    import graphrt.step as step_module
+
+    fast = step_module._fast
+    if fast is None:
+        pytest.skip("graphrt._fast was not built")
+    i64 = lambda *v: np.array(v, dtype=np.int64)
+    q, c, table, ranges = i64(1, 2), i64(3, 0), np.array([[0, 1], [2, 3]], np.int64), np.zeros((2, 1, 2), np.int64)
+    limits = (16, 80, 120, 8, 40, 3)
+
+    def views(seqs=2, tokens=3, width=2, ranges_width=1):
+        return (np.zeros(seqs + 1, np.int32), np.zeros(seqs, np.int32), np.zeros((width, seqs), np.int32).T,
+                np.zeros((seqs, ranges_width, 2), np.int32), np.zeros(tokens, np.int64), np.zeros(tokens, np.int64))
+
+    assert fast.check(q, c, table, None, ranges, None, *limits) == 1
+    fast.pack(q, c, table, ranges, 16, 1, *views())               # fits
+    with pytest.raises(ValueError):
+        fast.check(i64(1), c, table, None, ranges, None, *limits)   # lengths disagree
+    with pytest.raises(TypeError):
+        fast.check(q.astype(np.int32), c, table, None, ranges, None, *limits)
+    for args, bad in [((i64(-5, 2), c, table, ranges), "negative q_len"),
+                      ((q, i64(-3, 0), table, ranges), "negative context_len"),
+                      ((i64(1, 40), c, table, ranges), "keys past the table's width"),
+                      ((q, c, table, ranges), "more tokens than slots")]:
+        staging = views(tokens=2) if bad == "more tokens than slots" else views()
+        with pytest.raises(ValueError):
+            fast.pack(*args, 16, 1, *staging)
+    for staging in (views(seqs=1), views(width=1), views(tokens=2)):
+        with pytest.raises(ValueError):
+            fast.pack(q, c, table, ranges, 16, 2, *staging)
