@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import decode_arrays, env, host_median_us, toy_runtime
+from graphrt.bench.common import captured_decode, env, host_median_us
 
 
 def elementary(reps: int) -> dict:
@@ -78,11 +78,7 @@ def profile_steps(layers: int, batch: int, calls: int) -> str:
     from graphrt import Step
 
     cuda = torch.cuda.is_available()
-    rt = toy_runtime(layers, batch, 1024 if cuda else 48, small=not cuda)
-    cfg = rt.cfg
-    rt.capture(decode_buckets=[batch], mixed_buckets=[cfg.max_num_tokens], quiet=True)
-    arrays = decode_arrays(batch, 1024 if cuda else 48, cfg.block_size)
-    ids = np.arange(batch) % 1000
+    rt, arrays, ids = captured_decode(layers, batch, 1024 if cuda else 48, small=not cuda)
     for _ in range(20):
         rt.step(Step.from_arrays(**arrays), ids)
     prof = cProfile.Profile()

@@ -11,14 +11,13 @@ import argparse
 import json
 import statistics
 
-import numpy as np
 import torch
 
 
 def main() -> None:
     import graphrt
     from graphrt import Step
-    from graphrt.bench.common import decode_arrays, toy_runtime
+    from graphrt.bench.common import captured_decode
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=1)
@@ -27,10 +26,8 @@ def main() -> None:
     parser.add_argument("--label", default="")
     args = parser.parse_args()
     b = args.batch
-    rt = toy_runtime(args.layers, b, args.context, small=False)
-    cfg = rt.cfg
-    rt.capture(decode_buckets=[b], mixed_buckets=[cfg.max_num_tokens], quiet=True)
-    rt.step(Step.from_arrays(**decode_arrays(b, args.context, 16)), np.arange(b) % 1000)
+    rt, arrays, ids = captured_decode(args.layers, b, args.context, small=False)
+    rt.step(Step.from_arrays(**arrays), ids)
     graph = rt.graphs.graphs[rt.last.bucket]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     figures = []

@@ -21,10 +21,9 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from graphrt.bench.common import decode_arrays, env, toy_runtime
+from graphrt.bench.common import captured_decode, env
 
 PIECES = ("validate", "pick", "check_guard", "pack", "ring_wait", "copy", "replay")
 
@@ -49,11 +48,8 @@ def probe(layers: int, batch: int, steps: int, idle: bool, cuda: bool) -> dict:
     from graphrt import Step
 
     context = 1024 if cuda else 48
-    rt = toy_runtime(layers, batch, context, small=not cuda)
+    rt, arrays, ids = captured_decode(layers, batch, context, small=not cuda)
     cfg = rt.cfg
-    rt.capture(decode_buckets=[batch], mixed_buckets=[cfg.max_num_tokens], quiet=True)
-    arrays = decode_arrays(batch, context, cfg.block_size)
-    ids = np.arange(batch) % 1000
     sink: dict[str, list[float]] = {}
     validate = timed(Step, "validate", sink)              # on the class: every Step of the loop
     timed(rt.buffers, "pack", sink)

@@ -168,7 +168,6 @@ class Runtime:
         self._weight_slots: list[tuple[str, dict, str]] | None = None
         self._weight_lookup: tuple[list[dict], list[str]] | None = None   # owners and keys of _weight_slots
         self.last: StepInfo | None = None
-        self._layouts: dict[Bucket, Layout] = {}
         self._prepared: dict[Bucket, tuple[Layout, StepContext]] = {}    # what a replay of the bucket stages into
 
     def set_kv_scales(self, k_scales: Any, v_scales: Any) -> None:
@@ -214,7 +213,8 @@ class Runtime:
                                cfg.max_num_seqs, cfg.max_num_tokens)
 
         def prepare(bucket: Bucket) -> Callable[[], Any]:
-            layout = self._layouts.setdefault(bucket, self.buffers.layout(bucket.num_seqs, bucket.num_tokens))
+            prepared = self._prepared.get(bucket)
+            layout = prepared[0] if prepared else self.buffers.layout(bucket.num_seqs, bucket.num_tokens)
             self.buffers.stage_empty(layout)
             ctx = StepContext(self, self.buffers.device_views(layout), max_query_len=bucket.max_query_len,
                               num_splits=(decode_splits(bucket.num_seqs, cfg.num_kv_heads, self.device)
@@ -294,8 +294,6 @@ class Runtime:
             self.graphs.check_guard()
         strict = self.strict and self.device.type == "cuda"
         sync_mode = _sync_debug_error() if strict else _NULL
-        # NVTX off: no range objects and no message fields are built at all
-        tr = self.tracer if self.tracer.enabled else None
         with sync_mode:
             if captured is not None:
                 bucket = captured.bucket
@@ -304,19 +302,20 @@ class Runtime:
                 bucket, layout = None, self.buffers.layout(n_seqs, n_tokens)
                 ctx = StepContext(self, self.buffers.device_views(layout), max_query_len=None, num_splits=1)
             nbytes = layout.copy_bytes(step.block_columns)
-            with tr.range("stage", bucket=bucket, seqs=n_seqs, tokens=n_tokens) if tr else _NULL:
+            tr = self.tracer
+            with tr.range("stage", bucket=bucket, seqs=n_seqs, tokens=n_tokens):
                 slot = self.buffers.pack(step, layout, host_ids, rows)
-            with tr.range("copy", bytes=nbytes) if tr else _NULL:
+            with tr.range("copy", bytes=nbytes):
                 self.buffers.copy(slot, nbytes, strict=strict)
                 if device_ids is not None:
                     ctx.input_ids[:n_tokens].copy_(device_ids, non_blocking=True)
                 if rows is not None:
                     ctx.inputs_embeds[: rows.shape[0]].copy_(embeds, non_blocking=True)
             if captured is not None:
-                with tr.range("replay", bucket=bucket, seqs=n_seqs, tokens=n_tokens) if tr else _NULL:
+                with tr.range("replay", bucket=bucket, seqs=n_seqs, tokens=n_tokens):
                     outputs = self.graphs.replay(captured)
             else:
-                with tr.range("eager", seqs=n_seqs, tokens=n_tokens) if tr else _NULL:
+                with tr.range("eager", seqs=n_seqs, tokens=n_tokens):
                     outputs = self.model_step(ctx)
         self.last = StepInfo("replay" if captured is not None else "eager", bucket, n_seqs, n_tokens, nbytes)
         return outputs

@@ -230,6 +230,17 @@ def test_small_and_numpy_checks_agree():
     assert 0.05 < np.mean(verdicts) < 0.95, f"the random steps should be both valid and not ({np.mean(verdicts):.2f})"
 
 
+def validation_paths() -> list:
+    """(_SMALL_STEP, _fast) settings that send Step.validate and pack down each of their
+    paths: Python checks, numpy checks, and the C helper where it was built (CI must cover
+    it)."""
+    import graphrt.step as step_module
+
+    if os.environ.get("CI") and step_module._fast is None:
+        pytest.fail("graphrt._fast was not built (setup.py): CI must cover the C path")
+    return [(1000, None), (0, None)] + ([(1000, step_module._fast)] if step_module._fast is not None else [])
+
+
 def test_python_numpy_and_c_paths_validate_and_pack_alike(monkeypatch):
     """Small steps are validated in Python (derived counts and the written-blocks check
     included, which also hand pack the decode slots), larger ones with numpy, and both
@@ -239,9 +250,7 @@ def test_python_numpy_and_c_paths_validate_and_pack_alike(monkeypatch):
     limit broken) get the same error message or the same packed arrays."""
     import graphrt.step as step_module
 
-    paths = [(1000, None), (0, None)] + ([(1000, step_module._fast)] if step_module._fast is not None else [])
-    if os.environ.get("CI") and step_module._fast is None:
-        pytest.fail("graphrt._fast was not built (setup.py): CI must cover the C path")
+    paths = validation_paths()
 
     seed = fresh_seed()
     rng, _ = rngs(seed)
@@ -280,7 +289,7 @@ def test_huge_lengths_are_refused_not_wrapped(monkeypatch, field):
 
     cfg = RuntimeConfig(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=40, max_num_seqs=40,
                         max_num_tokens=80, max_model_len=120, max_prefix_ranges=3, dtype=torch.float32)
-    paths = [(1000, None), (0, None)] + ([(1000, step_module._fast)] if step_module._fast is not None else [])
+    paths = validation_paths()
     for n in (2, 40):               # a few sequences (Python checks) and many (numpy)
         arrays = dict(q_lens=np.ones(n, np.int64), context_lens=np.full(n, 5, np.int64),
                       block_table=np.arange(n, dtype=np.int64)[:, None])

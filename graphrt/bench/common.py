@@ -76,6 +76,15 @@ def toy_runtime(layers: int, max_seqs: int, context: int, *, small: bool, nvtx: 
                    kv_caches=([cache] * layers, [cache] * layers))
 
 
+def captured_decode(layers: int, batch: int, context: int, *, small: bool):
+    """``toy_runtime`` with the decode bucket of ``batch`` sequences (and one mixed bucket)
+    captured, and its decode step's arguments: (runtime, ``Step.from_arrays`` keywords,
+    input ids)."""
+    rt = toy_runtime(layers, batch, context, small=small)
+    rt.capture(decode_buckets=[batch], mixed_buckets=[rt.cfg.max_num_tokens], quiet=True)
+    return rt, decode_arrays(batch, context, rt.cfg.block_size), np.arange(batch) % 1000
+
+
 def blocks_per_seq(context: int, block_size: int = 16) -> int:
     return -(-(context + 1) // block_size)
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from graphrt.bench.common import decode_arrays, host_median_us, quick_out_main, toy_runtime, write
+from graphrt.bench.common import captured_decode, host_median_us, quick_out_main, write
 
 
 def pieces(layers: int, batch: int, reps: int, quick: bool) -> dict:
@@ -27,11 +26,8 @@ def pieces(layers: int, batch: int, reps: int, quick: bool) -> dict:
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     context = 48 if quick else 1024
-    rt = toy_runtime(layers, batch, context, small=not cuda)
+    rt, arrays, ids = captured_decode(layers, batch, context, small=not cuda)
     cfg = rt.cfg
-    rt.capture(decode_buckets=[batch], mixed_buckets=[cfg.max_num_tokens], quiet=True)
-    arrays = decode_arrays(batch, context, cfg.block_size)
-    ids = np.arange(batch) % 1000
     step = Step.from_arrays(**arrays)
     step.validate(cfg)
     row = dict(bench="host", impl="graphrt", layers=layers, batch=batch, context=context)
@@ -41,7 +37,7 @@ def pieces(layers: int, batch: int, reps: int, quick: bool) -> dict:
     captured = None
     if rt.graphs is not None:
         captured = rt.graphs.pick(batch, batch, True)
-        layout = rt._layouts[captured.bucket]
+        layout = rt._prepared[captured.bucket][0]
 
         def pick_and_guard():
             rt.graphs.pick(step.num_seqs, step.num_tokens, step.is_decode)
