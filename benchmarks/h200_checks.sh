@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of a commit, in one go, for a machine with a CUDA device:
 #   bash benchmarks/h200_checks.sh OUT PART...
-# PART: tests | sanitizer | tests+sanitizer (first only: both at once) | ab-runtime | probe-step | probe-host | probe-ops | bench-host | bench-capture |
+# PART: tests | sanitizer | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | probe-step | probe-host |
+#       probe-ops | bench-host | bench-capture | bench-runtime |
 #       bench-kernels | sweep-fp8 | sweep-prefill | sweep-splits. ab-runtime and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base); JOBS: pytest workers for tests (default 10). Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
@@ -38,6 +39,8 @@ for part in "$@"; do
     probe-ops) timeout "$limit" python3 benchmarks/probe_host_ops.py --out "$out" ;;
     bench-host) timeout "$limit" python3 -m graphrt bench host --out "$out" ;;
     bench-capture) timeout "$limit" python3 -m graphrt bench capture --out "$out" ;;
+    bench-runtime) timeout "$limit" python3 -m graphrt bench runtime --out "$out" ;;
+    tests-precompile) timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_precompile.py ;;
     bench-kernels) timeout "$limit" python3 -m graphrt bench kernels --out "$out" ;;
     sweep-fp8) timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" ;;
     sweep-prefill) timeout "$limit" python3 benchmarks/sweep_prefill.py --out "$out" ;;

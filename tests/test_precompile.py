@@ -99,11 +99,35 @@ def test_a_pool_stopped_early_ends_its_workers(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    pool = _Pool([write_kv_variant(64), write_kv_variant(128)], ("cuda", 90, 32), workers=2)
+    pool = _Pool(("cuda", 90, 32), workers=2)
     jobs = [job for _, job, _ in pool._jobs]
-    assert len(jobs) == 2 and all(job.poll() is None for job in jobs)     # still importing
+    assert len(jobs) == 2 and all(job.poll() is None for job in jobs)     # importing, then waiting for a share
     pool.stop()
     assert all(job.returncode is not None for job in jobs)
+    assert not list(tmp_path.rglob("*.cubin"))
+
+
+def test_pool_workers_wait_for_their_share_and_time_each_compile(tmp_path, monkeypatch):
+    # the workers start before the variants are known (their imports overlap the pass that
+    # finds them); a worker given no share exits cleanly
+    import time
+
+    from graphrt.capture.precompile import _Pool
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pool = _Pool(("cuda", 90, 32), workers=3)
+    time.sleep(0.5)
+    assert all(job.poll() is None for _, job, _ in pool._jobs)            # nothing to do yet: still there
+    pool.assign([write_kv_variant(64), write_kv_variant(128)])
+    failures, seconds = pool.finish()
+    assert failures == []
+    assert all(job.returncode == 0 for _, job, _ in pool._jobs)
+    compiled = {k: v for k, v in seconds.items() if k.startswith("_write_kv_kernel")}
+    assert len(compiled) == 2 and all(v > 0 for v in compiled.values()), seconds
+    imports = [v for k, v in seconds.items() if k.startswith("(imports)")]
+    assert len(imports) == 3 and all(v > 0 for v in imports), seconds
+    assert len(list(tmp_path.rglob("*.cubin"))) == 2
 
 
 def test_kernels_compile_for_the_gpu_with_int_arguments_specialised_to_one(tmp_path, monkeypatch):
@@ -196,6 +220,8 @@ def test_decode_buckets_of_every_size_share_the_attention_variants(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: self.sink.append(key_of(args, kwargs)) if self.sink is not None else None
 
+    # nothing launches, but the wrappers' check for CPU tensors asks for the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(pa, "_attn_kernel", Recorder(keys))
     monkeypatch.setattr(pa, "_merge_kernel", Recorder(None))
     monkeypatch.setattr(kv_write, "_write_kv_kernel", Recorder(None))

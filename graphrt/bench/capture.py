@@ -42,13 +42,26 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
                 print(f"{cache} Triton cache{how}: captured {total['buckets']} buckets of a {total['layers']}-layer "
                       f"model in {total['ms'] / 1e3:.1f} s, graph pool {total['pool_bytes'] / 2**20:.0f} MiB"
                       + (f" (precompile: {total['precompile_variants']} variants, {total['precompile_workers']} "
-                         f"workers, {total['precompile_s']:.1f} s)" if precompile else ""))
+                         f"workers, {total['precompile_s']:.1f} s: "
+                         + ", ".join(f"{k} {v:.1f}" for k, v in (total["precompile_phases"] or {}).items())
+                         + _slowest(total["precompile_compile_s"]) + ")" if precompile else ""))
             else:
                 print(f"{cache} Triton cache: no CUDA device, nothing to capture (every step runs eagerly)")
     path = write(out, "capture" if not small else "capture_quick", rows)
     if not quiet:
         print(f"wrote {path}")
     return rows
+
+
+def _slowest(seconds: dict | None) -> str:
+    """The pool's slowest import and slowest compile, as text ("" without a pool)."""
+    if not seconds:
+        return ""
+    imports = [v for k, v in seconds.items() if k.startswith("(imports)")]
+    compiles = {k: v for k, v in seconds.items() if not k.startswith("(imports)")}
+    worst = max(compiles, key=compiles.get) if compiles else None
+    return (f"; in the pool: imports up to {max(imports):.1f} s" if imports else "") + (
+        f", slowest compile {worst.split('@')[0]} {compiles[worst]:.1f} s" if worst else "")
 
 
 def measure(*, quick: bool, precompile: bool = False) -> list[dict]:
@@ -80,6 +93,8 @@ def measure(*, quick: bool, precompile: bool = False) -> list[dict]:
                      precompile_variants=report.variants if report else None,
                      precompile_workers=report.workers if report else None,
                      precompile_s=report.seconds if report else None,
+                     precompile_phases=report.phases if report else None,
+                     precompile_compile_s=report.compile_seconds if report else None,
                      precompile_failures=report.failures if report else None))
     return rows
 
