@@ -117,7 +117,14 @@ class GraphSet:
             from .precompile import precompile as compile_variants
 
             def runs():
-                for bucket in sorted(buckets, reverse=True):
+                # each kind's largest and smallest bucket first: between them they need
+                # most of the variants, which then reach the workers early
+                ordered = sorted(set(buckets), reverse=True)
+                ends = []
+                for kind in ("mixed", "decode"):
+                    same = [b for b in ordered if b.kind == kind]
+                    ends += list(dict.fromkeys(same[:1] + same[-1:]))
+                for bucket in ends + [b for b in ordered if b not in ends]:
                     yield prepare(bucket)
 
             stream.wait_stream(torch.cuda.current_stream())

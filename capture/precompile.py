@@ -4,16 +4,16 @@ From a cold Triton cache, capture spends most of its time compiling one kernel v
 after another in one process (Triton holds the GIL while it compiles, so threads do not
 help). ``precompile(runs)`` instead:
 
-1. runs each step function once with Triton's ``jit_cache_hook`` set: every launch of a
+1. starts worker processes, which import Triton and graphrt's kernel modules (those import
+   Triton alone: no torch, so a worker is ready in well under a second);
+2. runs each step function once with Triton's ``jit_cache_hook`` set: every launch of a
    variant this process has not compiled yet is recorded (its specialization data, the
    JSON Triton's ``JITFunction.preload`` takes) and skipped, neither compiled nor launched
-   (the outputs of that pass are garbage; the torch ops around the kernels run as usual);
-2. hands all but the largest variant to worker processes (started before step 1, so that
-   their imports overlap it) that compile for the same GPU target, and meanwhile loads the
-   largest one in this process (``preload``). Fast means Triton's on-disk cache already
-   held it, and likely the rest: the workers are stopped and the rest load here one by
-   one. Slow (it compiled) means a cold cache: the workers fill the on-disk cache, and then
-   everything loads here.
+   (the outputs of that pass are garbage; the torch ops around the kernels run as usual).
+   Each new variant goes to the next worker at once, so compiling overlaps the pass;
+3. waits for the workers, which compile for this process's GPU target into Triton's
+   on-disk cache (a variant already there costs a worker a cache lookup), and loads every
+   variant here from that cache.
 
 Correctness never rests on the pool: the kernels a capture launches are always the ones
 this process loads or compiles through Triton's own path; a variant a worker failed on, or
@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
-
-# A variant whose preload takes longer than this was compiled, not loaded from the cache.
-_LOADED_SECONDS = 0.5
-
 
 @dataclass(frozen=True)
 class Variant:
@@ -44,22 +41,27 @@ class Variant:
 @dataclass
 class PrecompileReport:
     variants: int = 0            # kernel variants the step functions needed that were not in memory
-    compiled_in_pool: int = 0    # of them, sent to the worker processes
+    compiled_in_pool: int = 0    # of them, sent to the worker processes (all)
     workers: int = 0
     failed_in_pool: int = 0      # compiled here instead
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)
-    phases: dict[str, float] = field(default_factory=dict)           # seconds: collect, probe, pool_wait, load
+    phases: dict[str, float] = field(default_factory=dict)           # seconds: collect, pool_wait, load
     compile_seconds: dict[str, float] = field(default_factory=dict)  # per variant in the pool, and imports
 
 
 @contextlib.contextmanager
-def _recording(found: dict[str, Variant]):
-    """Triton's jit_cache_hook records each variant about to compile and skips it."""
+def _recording(found: dict[str, Variant], on_new: Callable[[Variant], None] | None = None):
+    """Triton's jit_cache_hook records each variant about to compile (``on_new`` is called
+    with each new one) and skips it."""
     from triton import knobs
 
     def hook(*, key, fn, compile, **_):
-        found.setdefault(str(key) + fn.name, Variant(str(fn.module), fn.name, compile["specialization_data"]))
+        name = str(key) + fn.name
+        if name not in found:
+            found[name] = Variant(str(fn.module), fn.name, compile["specialization_data"])
+            if on_new is not None:
+                on_new(found[name])
         return True              # skip: no compile, no launch
 
     previous = knobs.runtime.jit_cache_hook
@@ -70,11 +72,11 @@ def _recording(found: dict[str, Variant]):
         knobs.runtime.jit_cache_hook = previous
 
 
-def collect(runs: Iterable[Callable[[], Any]]) -> list[Variant]:
+def collect(runs: Iterable[Callable[[], Any]], on_new: Callable[[Variant], None] | None = None) -> list[Variant]:
     """The kernel variants that running each of ``runs`` would compile (none is compiled
-    or launched while they run)."""
+    or launched while they run); ``on_new`` sees each as soon as it is found."""
     found: dict[str, Variant] = {}
-    with _recording(found):
+    with _recording(found, on_new):
         for run in runs:
             run()
     return list(found.values())
@@ -117,14 +119,17 @@ def compile_variant(variant: Variant, target: tuple) -> None:
 
 
 class _Pool:
-    """Worker processes that import Triton and graphrt's kernel modules as soon as they
-    start, then wait on stdin for their share of the variants: started before the caller
-    knows what to compile, they are ready by the time it does. ``assign`` hands out the
-    shares, ``finish`` waits for the workers and returns the failures, ``stop`` ends them.
-    The workers are plain subprocesses (``python -c``), not multiprocessing's: spawning
+    """Worker processes compiling variants as they are sent (``send``, round robin; each
+    worker compiles its variants in the order they come). ``finish`` ends the input and
+    waits for the workers, returning the failures; ``stop`` ends them at once.
+
+    A worker runs this file as a script (not ``-m graphrt...``, which would import graphrt
+    and torch) and loads the kernel modules by path under their own names (``MODULES``):
+    Triton's cache key holds a kernel's module name, so the worker's compile is the one this
+    process looks up. The workers are plain subprocesses, not multiprocessing's: spawning
     those would import the caller's main script again in every worker."""
 
-    MODULES = ("graphrt.kernels.paged_attention", "graphrt.kernels.kv_write")
+    MODULES = ("graphrt.kernels._attention_jit", "graphrt.kernels._kv_write_jit")
 
     def __init__(self, target: tuple, workers: int):
         import subprocess
@@ -132,32 +137,36 @@ class _Pool:
         import tempfile
 
         self._tmp = tempfile.TemporaryDirectory(prefix="graphrt-precompile-")
-        self._target = list(target)
         self._jobs: list[tuple[list[Variant], Any, str]] = []
-        code = "from graphrt.capture.precompile import _worker; _worker()"
+        self._next = 0
+        self.sent = 0
+        modules = [f"{name}={importlib.util.find_spec(name).origin}" for name in self.MODULES]
         for i in range(workers):
             path = os.path.join(self._tmp.name, f"worker{i}")
             # output to files, not pipes: nobody reads a pipe before the workers end, and a
             # full one would stall its worker
             with open(path + ".out", "w") as out, open(path + ".err", "w") as err:
-                job = subprocess.Popen([sys.executable, "-c", code, *self.MODULES], stdin=subprocess.PIPE,
-                                       stdout=out, stderr=err)
+                job = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(list(target)), *modules],
+                                       stdin=subprocess.PIPE, stdout=out, stderr=err)
             self._jobs.append(([], job, path))
 
-    def assign(self, variants: list[Variant]) -> None:
-        """Send each worker its share (round robin; a worker without one exits)."""
-        n = len(self._jobs)
-        for i, (share, job, _) in enumerate(self._jobs):
-            share += variants[i::n]
-            try:
-                job.stdin.write(json.dumps(dict(target=self._target, variants=[v.__dict__ for v in share])).encode())
-                job.stdin.close()
-            except OSError:                # the worker died while importing: finish reports it
-                pass
+    def send(self, variant: Variant) -> None:
+        share, job, _ = self._jobs[self._next % len(self._jobs)]
+        self._next += 1
+        share.append(variant)
+        self.sent += 1
+        try:
+            job.stdin.write(json.dumps(variant.__dict__).encode() + b"\n")
+            job.stdin.flush()
+        except OSError:                    # the worker died: finish reports its variants
+            pass
 
     def finish(self) -> tuple[list[str], dict[str, float]]:
-        """(one message per variant that failed, seconds per variant compiled), once every
-        worker has ended."""
+        """(one message per variant that failed, seconds per variant compiled and per
+        worker's imports), once every worker has ended."""
+        for _, job, _ in self._jobs:
+            with contextlib.suppress(OSError):
+                job.stdin.close()
         failures: list[str] = []
         seconds: dict[str, float] = {}
         for share, job, path in self._jobs:
@@ -180,37 +189,52 @@ class _Pool:
             job.kill()
         for _, job, _ in self._jobs:
             job.wait()
-            if job.stdin is not None and not job.stdin.closed:
+            with contextlib.suppress(OSError):
                 job.stdin.close()
         self._tmp.cleanup()
 
 
 def compile_in_pool(variants: list[Variant], target: tuple, workers: int) -> list[str]:
-    """Compile ``variants`` in ``workers`` fresh Python processes (each a share, one after
-    another); returns one message per variant that failed."""
+    """Compile ``variants`` in ``workers`` fresh Python processes; returns one message per
+    variant that failed."""
     pool = _Pool(target, workers)
-    pool.assign(variants)
+    for v in variants:
+        pool.send(v)
     return pool.finish()[0]
 
 
+def _load_by_path(name: str, path: str) -> None:
+    """Import the module at ``path`` as ``name`` without importing its parent packages."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
 def _worker() -> None:
-    """A worker process: import the modules named in argv, read its share (JSON) from
-    stdin, compile it and print the failures and each variant's seconds as one JSON line."""
+    """A worker process (this file run as a script): argv = target (JSON), then
+    ``module=path`` of each kernel module. Compiles each variant read from stdin (one JSON
+    line each) as it comes; at the end of input prints the failures and the seconds of
+    each compile and of the imports as one JSON line."""
     import sys
 
     t0 = time.perf_counter()
-    for name in sys.argv[1:]:
-        importlib.import_module(name)
-    import triton.compiler  # noqa: F401  (what compile_variant uses, loaded before the share comes)
+    target = tuple(json.loads(sys.argv[1]))
+    for spec in sys.argv[2:]:
+        name, path = spec.split("=", 1)
+        _load_by_path(name, path)
+    import triton.compiler  # noqa: F401  (what compile_variant uses, loaded before the first variant comes)
 
     seconds = {f"(imports)@{os.getpid()}": time.perf_counter() - t0}
-    job = json.loads(sys.stdin.read() or "{}")
     failures = []
-    for i, item in enumerate(job.get("variants", [])):
-        variant = Variant(**item)
+    for i, line in enumerate(sys.stdin):
+        variant = Variant(**json.loads(line))
         t = time.perf_counter()
         try:
-            compile_variant(variant, tuple(job["target"]))
+            compile_variant(variant, target)
         except Exception as exc:
             failures.append(f"{variant.qualname}: {type(exc).__name__}: {exc}"[:300])
         seconds[f"{variant.qualname}#{i}@{os.getpid()}"] = time.perf_counter() - t
@@ -218,8 +242,8 @@ def _worker() -> None:
 
 
 def precompile(runs: Iterable[Callable[[], Any]], *, max_workers: int | None = None) -> PrecompileReport:
-    """Run ``runs`` with kernels skipped to find the variants they need, compile the
-    missing ones in parallel processes, and load them all into this process (module doc).
+    """Find the kernel variants ``runs`` need (kernels skipped), compile them in parallel
+    processes while the search goes on, and load them all into this process (module doc).
     CUDA only. ``max_workers``: at most this many worker processes (default: one per CPU
     core but one, up to 16)."""
     from triton.runtime import driver
@@ -227,42 +251,26 @@ def precompile(runs: Iterable[Callable[[], Any]], *, max_workers: int | None = N
     t0 = time.perf_counter()
     report = PrecompileReport()
     gpu = driver.active.get_current_target()
-    workers = max(1, min(max_workers or 16, (os.cpu_count() or 2) - 1))
-    # the workers import while the step functions run: ~2 s of imports each, off the clock
-    pool = _Pool((gpu.backend, gpu.arch, gpu.warp_size), workers)
+    report.workers = max(1, min(max_workers or 16, (os.cpu_count() or 2) - 1))
+    pool = _Pool((gpu.backend, gpu.arch, gpu.warp_size), report.workers)
     try:
-        variants = collect(runs)
-        report.phases["collect"] = time.perf_counter() - t0
-        report.variants = len(variants)
-        if not variants:
-            pool.stop()
-            report.seconds = time.perf_counter() - t0
-            return report
-        # Probe with the largest kernel: it takes seconds to compile and milliseconds to
-        # load from the cache, where a small one may compile in under the threshold. The
-        # workers compile the others meanwhile, so a cold cache loses no time to the probe.
-        probe = max(variants, key=lambda v: len(_kernel(v).src))
-        rest = [v for v in variants if v is not probe]
-        pool.assign(rest)
-        report.workers = min(workers, len(rest))
-        t = time.perf_counter()
-        _kernel(probe).preload(probe.data)
-        report.phases["probe"] = time.perf_counter() - t
+        variants = collect(runs, pool.send)
     except BaseException:
         pool.stop()
         raise
+    report.phases["collect"] = time.perf_counter() - t0
+    report.variants = report.compiled_in_pool = len(variants)
     t = time.perf_counter()
-    if rest and report.phases["probe"] > _LOADED_SECONDS:          # a cold cache
-        report.compiled_in_pool = len(rest)
-        report.failures, report.compile_seconds = pool.finish()
-        report.failed_in_pool = len(report.failures)
-    else:                                                           # a warm one: load here
-        pool.stop()
-        report.workers = 0
+    report.failures, report.compile_seconds = pool.finish()
+    report.failed_in_pool = len(report.failures)
     report.phases["pool_wait"] = time.perf_counter() - t
     t = time.perf_counter()
-    for v in rest:
+    for v in variants:
         _kernel(v).preload(v.data)          # from the on-disk cache (or compiled here)
     report.phases["load"] = time.perf_counter() - t
     report.seconds = time.perf_counter() - t0
     return report
+
+
+if __name__ == "__main__":
+    _worker()

@@ -107,9 +107,9 @@ def test_a_pool_stopped_early_ends_its_workers(tmp_path, monkeypatch):
     assert not list(tmp_path.rglob("*.cubin"))
 
 
-def test_pool_workers_wait_for_their_share_and_time_each_compile(tmp_path, monkeypatch):
-    # the workers start before the variants are known (their imports overlap the pass that
-    # finds them); a worker given no share exits cleanly
+def test_pool_workers_wait_for_variants_and_time_each_compile(tmp_path, monkeypatch):
+    # the workers start before the variants are known and compile each as it is sent; a
+    # worker sent nothing exits cleanly. They import Triton and the kernel modules alone.
     import time
 
     from graphrt.capture.precompile import _Pool
@@ -119,7 +119,8 @@ def test_pool_workers_wait_for_their_share_and_time_each_compile(tmp_path, monke
     pool = _Pool(("cuda", 90, 32), workers=3)
     time.sleep(0.5)
     assert all(job.poll() is None for _, job, _ in pool._jobs)            # nothing to do yet: still there
-    pool.assign([write_kv_variant(64), write_kv_variant(128)])
+    pool.send(write_kv_variant(64))
+    pool.send(write_kv_variant(128))
     failures, seconds = pool.finish()
     assert failures == []
     assert all(job.returncode == 0 for _, job, _ in pool._jobs)
@@ -128,6 +129,23 @@ def test_pool_workers_wait_for_their_share_and_time_each_compile(tmp_path, monke
     imports = [v for k, v in seconds.items() if k.startswith("(imports)")]
     assert len(imports) == 3 and all(v > 0 for v in imports), seconds
     assert len(list(tmp_path.rglob("*.cubin"))) == 2
+
+
+def test_a_worker_imports_no_torch():
+    # what keeps a worker's start short: the kernel modules it loads import Triton alone
+    import subprocess
+    import sys
+
+    from graphrt.capture import precompile
+
+    modules = [f"{name}={__import__('importlib.util').util.find_spec(name).origin}" for name in precompile._Pool.MODULES]
+    code = ("import runpy, sys; sys.argv = [sys.argv[0], '[\"cuda\", 90, 32]'] + sys.argv[1:]; "
+            "ns = runpy.run_path(%r); import json; "
+            "[ns['_load_by_path'](*m.split('=', 1)) for m in sys.argv[2:]]; "
+            "print(json.dumps(sorted(k for k in sys.modules if k == 'torch' or k.startswith('graphrt'))))"
+            % precompile.__file__)
+    out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == sorted(precompile._Pool.MODULES)
 
 
 def test_kernels_compile_for_the_gpu_with_int_arguments_specialised_to_one(tmp_path, monkeypatch):

@@ -1,0 +1,397 @@
+"""The Triton kernels of paged attention (``paged_attention`` launches them; its module doc
+says what they do). This module imports Triton alone, so that the processes that compile
+its kernels before a capture (``graphrt.capture.precompile``) start without torch."""
+
+import triton
+import triton.language as tl
+
+# Window rules (paged_attention.WINDOW_RULES, in that order)
+RULE_CLIP: tl.constexpr = tl.constexpr(0)
+RULE_TWO_SIDED: tl.constexpr = tl.constexpr(1)
+RULE_RANGES_UNCLIPPED: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _attend_key_tile(
+    acc, l_i, m_i, kt,
+    b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+    p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
+    stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+    o_d, m_d,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) with key tile kt. MASKED=False is for tiles
+    every row of the query tile sees in full (all keys causal, inside the window and
+    before seq_len): no mask is built and no load is masked by position."""
+    k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
+    if MASKED:
+        m_k = k_pos < seq_len
+        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0)
+    else:
+        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk)
+    # A block id outside the cache (hand-built metadata) reads the last block instead of
+    # past the cache: garbage in, but never an out-of-bounds access. One unsigned 32-bit
+    # min does it (a negative id is a huge unsigned one), before the widening to int64.
+    # (tl.cast, not .to: an int argument equal to 1 reaches the kernel as a Python int,
+    # since Triton specialises it into a constant.)
+    i_blk = tl.minimum(i_blk.to(tl.uint32, bitcast=True), tl.cast(last_blk, tl.uint32)).to(tl.int64)
+    i_off = k_pos % KV_BLOCK_SIZE
+    # K as [HEAD_DIM_PAD, BLOCK_N], V as [BLOCK_N, HEAD_DIM_PAD]
+    p_k = k_head_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok)[None, :] + o_d[:, None]
+    p_v = v_head_ptr + (i_blk * stride_v_blk + i_off * stride_v_tok)[:, None] + o_d[None, :]
+    if MASKED:
+        b_k = tl.load(p_k, mask=m_k[None, :] & m_d[:, None], other=0.0)
+        b_v = tl.load(p_v, mask=m_k[:, None] & m_d[None, :], other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PAD:
+        b_k = tl.load(p_k)
+        b_v = tl.load(p_v)
+    else:
+        b_k = tl.load(p_k, mask=m_d[:, None], other=0.0)
+        b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+
+    b_k = b_k.to(b_q.dtype)       # fp8 caches: e4m3 codes to q's dtype (their scale is folded in elsewhere)
+    b_v = b_v.to(b_q.dtype)
+    if IEEE_DOT:     # fp32 operands, full-precision products (fp32 caches; bf16 in the interpreter)
+        b_s = tl.dot(b_q.to(tl.float32), b_k.to(tl.float32), input_precision="ieee")
+    else:
+        b_s = tl.dot(b_q, b_k)
+    if USE_SOFTCAP:
+        # softcap * tanh(y), y = logit / softcap, through |y| so that exp never overflows;
+        # below |y| = 0.1 a short series, since (1 - e) / (1 + e) cancels there (at a cap of
+        # 1e4 the exp form alone was off by 7e-4 in fp32; the series' error is < 3e-7).
+        b_y = b_s * (scale_log2e * 0.6931471805599453 / softcap)
+        b_a = tl.abs(b_y)
+        b_e = tl.exp(-2.0 * b_a)
+        b_y2 = b_y * b_y
+        b_t = tl.where(b_a < 0.1, b_a * (1.0 - b_y2 * (0.3333333333333333 - b_y2 * 0.13333333333333333)),
+                       (1.0 - b_e) / (1.0 + b_e))
+        b_s = tl.where(b_y < 0, -b_t, b_t) * (softcap * 1.4426950408889634)
+    else:
+        b_s = b_s * scale_log2e
+
+    if MASKED:
+        visible = k_pos[None, :] <= q_pos[:, None]                       # causal
+        if USE_RANGES:
+            same_range = (k_pos[None, :] >= r_start[:, None]) & (k_pos[None, :] < r_end[:, None])
+        if USE_WINDOW:
+            in_window = (q_pos[:, None] - k_pos[None, :]) < window
+            if USE_RANGES:
+                if WINDOW_RULE == RULE_RANGES_UNCLIPPED:
+                    visible = (visible & in_window) | same_range
+                else:
+                    visible = (visible | same_range) & in_window
+                    if WINDOW_RULE == RULE_TWO_SIDED:
+                        visible = visible & ((k_pos[None, :] - q_pos[:, None]) < window)
+            else:
+                visible = visible & in_window
+        elif USE_RANGES:
+            visible = visible | same_range
+        visible = visible & m_k[None, :]
+        b_s = tl.where(visible, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))            # finite: every key is visible
+        m_safe = m_new
+    b_p = tl.exp2(b_s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(b_p, axis=1)
+    if IEEE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32),
+                                            input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+    m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_span(
+    acc, l_i, m_i, a_start, a_count, b_start, b_count,
+    b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+    p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
+    stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+    o_d, m_d,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """(acc, l_i, m_i) over a_count key tiles from a_start, then b_count from b_start. The
+    masked tiles' two runs share one loop (one copy of the code to compile); the full
+    tiles (b_count 0) keep a plain counted loop, which the software pipeliner handles best."""
+    if MASKED:
+        for j in range(0, a_count + b_count):
+            kt = tl.where(j < a_count, a_start + j, b_start + (j - a_count))
+            acc, l_i, m_i = _attend_key_tile(
+                acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+                p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, True)
+    else:
+        for kt in range(a_start, a_start + a_count):
+            acc, l_i, m_i = _attend_key_tile(
+                acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+                p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, False)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_tile(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+    i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
+    stride_q_tok, stride_q_head,
+    stride_k_blk, stride_k_tok, stride_k_head,
+    stride_v_blk, stride_v_tok, stride_v_head,
+    stride_o_tok, stride_o_head,
+    stride_bt_seq, stride_bt_blk,
+    stride_po_tok, stride_po_head, stride_po_split,
+    stride_pl_tok, stride_pl_head,
+    scale_log2e, softcap, window,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    QPK: tl.constexpr, QPK_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_RANGES: tl.constexpr,
+    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
+    sequence over this split's share of its visible key tiles; writes the output, or the
+    partial output and log-sum-exp of its split for ``_merge_kernel``."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
+    tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
+    ctx_len = seq_len - q_len
+    o_m = tl.arange(0, BLOCK_M)
+    o_tok = i_qblk * BLOCK_Q + o_m // QPK_PAD            # token index within the sequence's new tokens
+    o_head = o_m % QPK_PAD
+    o_d = tl.arange(0, HEAD_DIM_PAD)
+    m_d = o_d < HEAD_DIM
+    # rows of this tile's tokens; also inside q/out (0 <= row < num_q_rows) whatever the
+    # metadata says, so hand-built metadata cannot make the kernel write past out
+    o_row = q_start + o_tok
+    m_row = (o_tok < q_len) & (o_head < QPK) & (o_row >= 0) & (o_row < num_q_rows)
+    q_pos = ctx_len + o_tok                               # [BLOCK_M] absolute positions
+    i_qh = i_kvh * QPK + o_head                           # [BLOCK_M] query heads
+
+    # [BLOCK_M, HEAD_DIM_PAD]
+    p_q = q_ptr + o_row.to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+
+    # The prefix range holding each query row ([0, 0) when none): ranges never overlap.
+    r_start = tl.zeros([BLOCK_M], dtype=tl.int32)
+    r_end = tl.zeros([BLOCK_M], dtype=tl.int32)
+    if USE_RANGES:
+        p_ranges = prefix_ranges_ptr + i_seq.to(tl.int64) * (MAX_RANGES * 2)
+        for r in tl.static_range(MAX_RANGES):
+            s = tl.load(p_ranges + 2 * r)
+            e = tl.load(p_ranges + 2 * r + 1)
+            inside = (q_pos >= s) & (q_pos < e)
+            r_start = tl.where(inside, s, r_start)
+            r_end = tl.where(inside, e, r_end)
+
+    # Keys any row of this tile can see: causal up to its last token, widened to the end
+    # of every range that holds one of its queries (a two-sided window cuts that at
+    # window - 1 past the last query); a window bounds it below, except that ranges the
+    # window does not clip reach below it.
+    first_pos = ctx_len + i_qblk * BLOCK_Q
+    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
+    k_hi = tl.maximum(last_pos + 1, tl.max(tl.where(m_row, r_end, 0), axis=0))
+    k_hi = tl.minimum(k_hi, seq_len)
+    k_lo = 0
+    full_lo = 0
+    if USE_WINDOW:
+        k_lo = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.maximum(last_pos - window + 1, 0)
+        if USE_RANGES and WINDOW_RULE == RULE_RANGES_UNCLIPPED:
+            in_range = m_row & (r_end > r_start)
+            k_lo = tl.maximum(tl.minimum(k_lo, tl.min(tl.where(in_range, r_start, k_lo), axis=0)), 0)
+        if USE_RANGES and WINDOW_RULE == RULE_TWO_SIDED:
+            k_hi = tl.minimum(k_hi.to(tl.int64), last_pos.to(tl.int64) + window).to(tl.int32)
+    kt_lo = k_lo // BLOCK_N
+    kt_hi = tl.maximum(tl.cdiv(k_hi, BLOCK_N), kt_lo)      # no tiles (not fewer than none) for garbage metadata
+    # Tiles every row sees in full: keys <= first_pos (causal for all rows) and, with a
+    # window, >= last_pos - window + 1 (inside every row's window). They skip the mask.
+    ft_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), kt_lo), kt_hi)
+    # (and below seq_len: metadata holding arbitrary values can put first_pos past it, and
+    # these tiles' block-table loads are not masked)
+    ft_hi = tl.minimum(tl.maximum(tl.minimum(first_pos + 1, seq_len) // BLOCK_N, ft_lo), kt_hi)
+    st_lo = kt_lo
+    st_hi = kt_hi
+    if SPLIT:        # the split count is the grid's third dimension: one variant serves any
+        per_split = tl.cdiv(kt_hi - kt_lo, tl.num_programs(2))
+        st_lo = kt_lo + i_split * per_split
+        st_hi = tl.minimum(st_lo + per_split, kt_hi)
+
+    if KV_FP8:       # K = codes * k_scale: folded into the logit scale; V's scale into the output
+        scale_log2e = scale_log2e * tl.load(k_scale_ptr + i_kvh)
+        if q_ptr.dtype.element_ty == tl.bfloat16:
+            # e4m3 -> fp16 is one conversion per two values and exact (e4m3 fits in fp16),
+            # e4m3 -> bf16 goes through fp32: so both dots run in fp16. q goes there scaled
+            # by a power of two (exact) that puts its largest |value| in [2**14, 2**15): no
+            # overflow, and more significand bits than bf16 had. The factor joins the scale.
+            b_qf = b_q.to(tl.float32)
+            q_max = tl.max(tl.max(tl.abs(b_qf), axis=1), axis=0)
+            shift = tl.maximum(((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, -126)
+            q_div = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+            b_q = (b_qf / q_div).to(tl.float16)
+            scale_log2e = scale_log2e * q_div
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    p_bt = block_table_ptr + i_seq.to(tl.int64) * stride_bt_seq
+    k_head_ptr = k_cache_ptr + i_kvh * stride_k_head
+    v_head_ptr = v_cache_ptr + i_kvh * stride_v_head
+    # This split's share [st_lo, st_hi) of three runs: masked, full, masked (the two
+    # masked runs go through one loop).
+    lo_end = tl.minimum(ft_lo, st_hi)
+    hi_start = tl.maximum(ft_hi, st_lo)
+    acc, l_i, m_i = _attend_span(
+        acc, l_i, m_i, st_lo, tl.maximum(lo_end - st_lo, 0), hi_start, tl.maximum(st_hi - hi_start, 0),
+        b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+        p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, True)
+    full_start = tl.maximum(ft_lo, st_lo)
+    acc, l_i, m_i = _attend_span(
+        acc, l_i, m_i, full_start, tl.maximum(tl.minimum(ft_hi, st_hi) - full_start, 0), 0, 0,
+        b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+        p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, False)
+
+    has_keys = l_i > 0.0
+    b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if KV_FP8:
+        b_o = b_o * tl.load(v_scale_ptr + i_kvh)
+    o_tok_abs = o_row.to(tl.int64)
+    m_out = m_row[:, None] & m_d[None, :]
+    p_out = out_ptr + o_tok_abs[:, None] * stride_o_tok + i_qh[:, None] * stride_o_head + o_d[None, :]
+    if not SPLIT:
+        tl.store(p_out, b_o.to(out_ptr.dtype.element_ty), mask=m_out)
+    else:
+        p_po = part_o_ptr + o_tok_abs[:, None] * stride_po_tok + i_qh[:, None] * stride_po_head + o_d[None, :]
+        p_pl = part_lse_ptr + o_tok_abs * stride_pl_tok + i_qh * stride_pl_head
+        tl.store(p_po + i_split * stride_po_split, b_o, mask=m_out)
+        tl.store(p_pl + i_split, tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")),
+                 mask=m_row)
+
+
+# Sizes and strides that differ between buckets without changing the code worth having:
+# not specialised (Triton would compile one variant for == 1, one for multiples of 16 and
+# one for the rest), so that capture compiles fewer variants.
+# (The block table is column-major in the runtime: its column stride is the bucket's
+# sequence count.)
+_PER_BUCKET = ["max_num_seqs", "num_q_rows", "stride_bt_blk", "stride_po_tok", "stride_po_head", "stride_po_split",
+               "stride_pl_tok", "stride_pl_head"]
+
+
+@triton.jit(do_not_specialize=_PER_BUCKET)
+def _attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr, k_scale_ptr, v_scale_ptr,
+    stride_q_tok, stride_q_head,
+    stride_k_blk, stride_k_tok, stride_k_head,
+    stride_v_blk, stride_v_tok, stride_v_head,
+    stride_o_tok, stride_o_head,
+    stride_bt_seq, stride_bt_blk,
+    stride_po_tok, stride_po_head, stride_po_split,
+    stride_pl_tok, stride_pl_head,
+    scale_log2e, softcap, window,
+    max_num_seqs, num_q_rows, num_blocks, max_blocks_per_seq,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    QPK: tl.constexpr, QPK_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SHORT_Q: tl.constexpr, SHORT_BLOCK_N: tl.constexpr,
+    MAX_RANGES: tl.constexpr,
+    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    # Tiles in reverse order: a sequence's last query tiles see the most keys (causal), so
+    # they start first and the short ones fill the tail of the launch.
+    i_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_kvh = tl.program_id(1)
+    i_split = tl.program_id(2)
+
+    # Sequence of this tile: sequence i owns virtual tiles starting at
+    # query_start_loc[i] // BLOCK_Q + i (strictly increasing in i), so search for the last
+    # start <= i_tile. Over-allocated tiles fall past q_len and exit below.
+    lo = i_tile * 0                                       # a tensor in compiled and interpreted mode
+    hi = lo + max_num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if mid_start <= i_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    i_seq = tl.maximum(lo - 1, 0)       # -1 only when query_start_loc[0] > 0 (hand-built)
+    q_start = tl.load(query_start_loc_ptr + i_seq)
+    q_len = tl.load(query_start_loc_ptr + i_seq + 1) - q_start
+    i_qblk = i_tile - (q_start // BLOCK_Q + i_seq)
+    if (i_qblk < 0) | (i_qblk * BLOCK_Q >= q_len):
+        return
+    # keys past the block table's columns have no block: a longer seq_len (hand-built
+    # metadata) is cut there rather than read past the table. One unsigned min, so a
+    # negative one (a huge unsigned value) is cut there too; two signed ops (max with 0,
+    # then min) cost 48 more registers in windowed decode tiles (sm_90, Triton 3.6).
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + i_seq).to(tl.uint32, bitcast=True),
+                         tl.cast(max_blocks_per_seq * KV_BLOCK_SIZE, tl.uint32)).to(tl.int32, bitcast=True)
+    last_blk = num_blocks - 1
+
+    if SHORT_Q > 0 and q_len <= SHORT_Q:
+        # A decode (or short chunk) inside a launch tiled for prefills: a tile of SHORT_Q
+        # tokens and longer key tiles, so it costs what it would in a decode launch.
+        _attend_tile(
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+            prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+            i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
+            stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
+            stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
+            stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
+            stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
+            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, SHORT_Q, SHORT_BLOCK_N, MAX_RANGES,
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8)
+    else:
+        _attend_tile(
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+            prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+            i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
+            stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
+            stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
+            stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
+            stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
+            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr, query_start_loc_ptr,
+    stride_o_tok, stride_o_head,
+    stride_po_tok, stride_po_head, stride_po_split,
+    stride_pl_tok, stride_pl_head,
+    max_num_seqs,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    i_tok = tl.program_id(0)
+    i_head = tl.program_id(1)
+    if i_tok >= tl.load(query_start_loc_ptr + max_num_seqs):   # padding past the step's tokens
+        return
+    o_s = tl.arange(0, SPLITS_PAD)
+    o_d = tl.arange(0, HEAD_DIM_PAD)
+    m_s = o_s < NUM_SPLITS
+    m_d = o_d < HEAD_DIM
+    base_l = part_lse_ptr + i_tok.to(tl.int64) * stride_pl_tok + i_head * stride_pl_head
+    b_lse = tl.load(base_l + o_s, mask=m_s, other=float("-inf"))   # [SPLITS_PAD]
+    lse_max = tl.max(b_lse, axis=0)                                 # finite: the diagonal key is in some split
+    w = tl.exp2(b_lse - lse_max)
+    w = w / tl.sum(w, axis=0)
+    base_o = part_o_ptr + i_tok.to(tl.int64) * stride_po_tok + i_head * stride_po_head
+    # [SPLITS_PAD, HEAD_DIM_PAD]
+    b_o = tl.load(base_o + o_s[:, None] * stride_po_split + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+    b_out = tl.sum(b_o * w[:, None], axis=0)
+    p_out = out_ptr + i_tok.to(tl.int64) * stride_o_tok + i_head * stride_o_head + o_d
+    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_d)
