@@ -133,16 +133,33 @@ def test_eager_runtime_matches_reference(device):
 def test_nvtx_ranges_emitted(monkeypatch, device):
     import nvtx
 
-    seen = []
-    monkeypatch.setattr(nvtx, "annotate", lambda message, domain=None: seen.append((domain, message)) or
-                        __import__("contextlib").nullcontext())
+    class Domain:             # records what the runtime pushes and pops
+        def __init__(self, name):
+            self.name = name
+
+        def get_event_attributes(self, message):
+            return message
+
+        def push_range(self, message):
+            seen.append((self.name, message))
+            stack.append(message)
+
+        def pop_range(self):
+            stack.pop()
+
+    seen, stack = [], []
+    monkeypatch.setattr(nvtx, "get_domain", Domain)
     cfg = small_cfg()
     rt = Runtime(cfg, ToyModel(cfg, num_layers=1, hidden=64, vocab=50, device=device), num_layers=1, device=device,
                  nvtx=True)
-    rt.step(Step([SeqStep(q_len=2, context_len=0, block_ids=[3])]), [1, 2])
+    for _ in range(2):        # the second step reuses the first one's ranges
+        rt.step(Step([SeqStep(q_len=2, context_len=0, block_ids=[3])]), [1, 2])
     names = [m.split()[0] for _, m in seen]
-    assert names == ["stage", "copy", "eager"] and {d for d, _ in seen} == {"graphrt"}
+    assert names == ["stage", "copy", "eager"] * 2 and {d for d, _ in seen} == {"graphrt"} and stack == []
     assert "seqs=1" in seen[0][1] and "tokens=2" in seen[0][1]
+    assert len(rt.tracer._ranges) == 3
+    rt.step(Step([SeqStep(q_len=3, context_len=0, block_ids=[3])]), [1, 2, 3])
+    assert "tokens=3" in seen[-3][1] and len(rt.tracer._ranges) == 6
 
 
 # ----------------------------------------------------------------------------- GPU
