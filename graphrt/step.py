@@ -56,7 +56,7 @@ class Step:
     """
 
     __slots__ = ("q_lens", "context_lens", "block_table", "block_counts", "ranges", "range_counts",
-                 "num_tokens", "seq_lens", "is_decode", "block_columns", "_decode_slots")
+                 "num_tokens", "_seq_lens", "is_decode", "block_columns", "_decode_slots")
 
     def __init__(self, seqs: Sequence[SeqStep]):
         seqs = tuple(seqs)
@@ -84,9 +84,12 @@ class Step:
         q = np.asarray(q_lens)
         c = np.asarray(context_lens)
         table = np.asarray(block_table)
-        for name, a, dim in (("q_lens", q, 1), ("context_lens", c, 1), ("block_table", table, 2)):
-            if a.dtype.kind not in "iu" or a.ndim != dim:
-                raise TypeError(f"Step.from_arrays: {name} must be a {dim}-d integer array, got {a.dtype} {a.shape}")
+        if not (q.ndim == 1 and c.ndim == 1 and table.ndim == 2 and q.dtype.kind in "iu" and c.dtype.kind in "iu"
+                and table.dtype.kind in "iu"):
+            for name, a, dim in (("q_lens", q, 1), ("context_lens", c, 1), ("block_table", table, 2)):
+                if a.dtype.kind not in "iu" or a.ndim != dim:
+                    raise TypeError(f"Step.from_arrays: {name} must be a {dim}-d integer array, got {a.dtype} "
+                                    f"{a.shape}")
         n = q.shape[0]
         if c.shape != (n,) or table.shape[0] != n:
             raise ValueError(f"Step.from_arrays: q_lens {q.shape}, context_lens {c.shape} and block_table "
@@ -112,7 +115,7 @@ class Step:
         self.block_counts = block_counts      # [n] valid entries per row (None: the needed ones, derived)
         self.ranges = ranges                  # [n, R, 2] half-open, rows padded with (0, 0)
         self.range_counts = range_counts      # [n] ranges per sequence (None: the non-empty ones, derived)
-        self.seq_lens = context_lens + q_lens
+        self._seq_lens = None                 # context_lens + q_lens, when first asked for
         n = q_lens.shape[0]
         # a short Python sum beats numpy's reduction on a few items
         self.num_tokens = sum(q_lens.tolist()) if n <= _SMALL_STEP else int(q_lens.sum())
@@ -136,6 +139,14 @@ class Step:
             r = self.ranges
             self.range_counts = (np.count_nonzero(r[:, :, 1] > r[:, :, 0], axis=1) if r.shape[1]
                                  else np.zeros(r.shape[0], np.int64))
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """[n] context_len + q_len (computed once, when first asked for: the C check and
+        pack do without it)."""
+        if self._seq_lens is None:
+            self._seq_lens = self.context_lens + self.q_lens
+        return self._seq_lens
 
     @property
     def num_seqs(self) -> int:
