@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 
 @dataclass(frozen=True)
 class Variant:
-    module: str          # the kernel's module, e.g. "graphrt.kernels.paged_attention"
+    module: str          # the kernel's module, e.g. "graphrt.kernels._attention_jit"
     qualname: str        # its name in the module
     data: str            # Triton's specialization data (JSON)
 
@@ -139,7 +139,6 @@ class _Pool:
         self._tmp = tempfile.TemporaryDirectory(prefix="graphrt-precompile-")
         self._jobs: list[tuple[list[Variant], Any, str]] = []
         self._next = 0
-        self.sent = 0
         modules = [f"{name}={importlib.util.find_spec(name).origin}" for name in self.MODULES]
         for i in range(workers):
             path = os.path.join(self._tmp.name, f"worker{i}")
@@ -154,7 +153,6 @@ class _Pool:
         share, job, _ = self._jobs[self._next % len(self._jobs)]
         self._next += 1
         share.append(variant)
-        self.sent += 1
         try:
             job.stdin.write(json.dumps(variant.__dict__).encode() + b"\n")
             job.stdin.flush()
@@ -205,7 +203,6 @@ def compile_in_pool(variants: list[Variant], target: tuple, workers: int) -> lis
 
 def _load_by_path(name: str, path: str) -> None:
     """Import the module at ``path`` as ``name`` without importing its parent packages."""
-    import importlib.util
     import sys
 
     spec = importlib.util.spec_from_file_location(name, path)

@@ -30,8 +30,8 @@ class _Range:
 
 class Tracer:
     """NVTX ranges of the runtime (``enabled``), or no-ops. Each distinct range (name and
-    fields) is built once, its message registered with the domain, and reused: a step's
-    ranges repeat from step to step, and ``nvtx.annotate`` built its message and attributes
+    fields) gets its message and event attributes once, from the ``graphrt`` domain, and is
+    reused: a step's ranges repeat from step to step, where ``nvtx.annotate`` built both
     anew on every call."""
 
     _MAX_RANGES = 4096          # distinct ranges kept (a step has a few per bucket)
