@@ -3,5 +3,5 @@ available, otherwise skipped (``optional=True``), and Step keeps its Python chec
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("graphrt._fast", ["graphrt/_fast.c"], optional=True,
+setup(ext_modules=[Extension("graphrt._fast", ["graphrt/_fast.c"], optional=True, libraries=["dl"],
                              extra_compile_args=["-O3", "-Wall"])])

@@ -60,6 +60,16 @@ def elementary(reps: int) -> dict:
         with torch.cuda.graph(g):
             x.add_(1)
         ops["cuda_graph_replay_1node"] = g.replay
+        try:
+            from graphrt._fast import copy_h2d
+        except ImportError:
+            copy_h2d = None
+        if copy_h2d is not None:          # the step's copy + event through the driver (StepBuffers.copy)
+            event.record(stream)
+            args = (arena.data_ptr(), pinned.data_ptr(), 4096, stream.cuda_stream, event.cuda_event)
+            ops["driver_copy_h2d_4k_and_record"] = lambda: copy_h2d(*args)
+            ops["torch_copy_h2d_4k_and_record"] = lambda: (arena[:4096].copy_(pinned[:4096], non_blocking=True),
+                                                           event.record(stream))
     try:
         import nvtx
 

@@ -95,6 +95,10 @@ class Layout:
 
 
 _TORCH = {4: torch.int32, 8: torch.int64}
+try:
+    from graphrt._fast import copy_h2d as _copy_h2d
+except ImportError:           # built without the C helper (or an older build of it)
+    _copy_h2d = None
 # (stream id, device index, device type) of a device's current stream, what
 # torch.cuda.current_stream() wraps in a new Stream object on every call
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
@@ -140,6 +144,9 @@ class StepBuffers:
                               else torch.cuda.current_device())
         self._stream_key: tuple | None = None        # (stream id, device index, device type) of _stream
         self._stream: torch.cuda.Stream | None = None
+        self._stream_handle = 0                      # cudaStream_t of _stream
+        self._event_handles = [0] * ring                   # cudaEvent_t of each slot's event
+        self._direct = _copy_h2d is not None   # copy through graphrt._fast.copy_h2d while the driver takes it
         self._copy_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.wait_seconds = 0.0      # host time spent waiting for a free slot (back-pressure)
 
@@ -202,30 +209,57 @@ class StepBuffers:
         if views is None:             # slicing costs ~1.5 us a tensor: keep the (few) pairs a run uses
             if len(self._copy_views) >= 4096:
                 self._copy_views.clear()
-            views = self._copy_views[(slot, nbytes)] = (self.arena[:nbytes], self.staging[slot][:nbytes])
-        target, source = views
+            target, source = self.arena[:nbytes], self.staging[slot][:nbytes]
+            views = self._copy_views[(slot, nbytes)] = (target, source, target.data_ptr(), source.data_ptr())
+        target, source, target_ptr, source_ptr = views
         if strict and not source.is_pinned():
             raise RuntimeError("graphrt strict mode: the staging copy source is pageable; that copy would "
                                "synchronise the host with the GPU")
+        if not self._cuda:
+            target.copy_(source)
+            return nbytes
+        stream = self._current_stream()
+        event = self._events[slot]
+        if event is not None and self._direct:
+            # the same copy and record through the driver; the event exists (recorded once by torch)
+            done = _copy_h2d(target_ptr, source_ptr, nbytes, self._stream_handle, self._event_handles[slot])
+            if done == 0:
+                return nbytes
+            self._direct = False      # the driver refused: torch's path from now on
+            if done == 1:             # the copy is queued, the record is not
+                event.record(stream)
+                return nbytes
         target.copy_(source, non_blocking=True)
-        if self._cuda:
-            event = self._events[slot]
-            if event is None:
-                event = self._events[slot] = torch.cuda.Event()
-            event.record(self._current_stream())
+        if event is None:
+            event = self._events[slot] = torch.cuda.Event()
+        event.record(stream)
+        self._event_handles[slot] = event.cuda_event        # created by its first record
         return nbytes
 
     def _current_stream(self) -> torch.cuda.Stream:
         """The device's current stream; ``torch.cuda.current_stream()`` costs ~4 us a call,
-        the raw query below a fraction of that, and the Stream object is kept while the
-        current stream stays the same."""
+        the raw query below a fraction of that, and the Stream object (and its handle) is
+        kept while the current stream stays the same."""
         if _RAW_STREAM is None:       # a torch without the raw query: the public call
-            return torch.cuda.current_stream(self._device_index)
+            stream = torch.cuda.current_stream(self._device_index)
+            self._stream_handle = stream.cuda_stream
+            return stream
         raw = _RAW_STREAM(self._device_index)
         if raw != self._stream_key:
             self._stream_key = raw
             self._stream = torch.cuda.Stream(stream_id=raw[0], device_index=raw[1], device_type=raw[2])
+            self._stream_handle = self._stream.cuda_stream
         return self._stream
+
+    def __del__(self):
+        # copies queued through the driver did not tell torch's pinned-memory cache that the
+        # staging slots are in use: let them finish before the slots go back to it
+        for event in getattr(self, "_events", ()):
+            if event is not None:
+                try:
+                    event.synchronize()
+                except Exception:
+                    pass
 
     def stage_empty(self, layout: Layout) -> None:
         """An all-padding step (no tokens, slots -1): what warm-up and capture run on."""

@@ -226,6 +226,37 @@ def test_one_pinned_copy_and_no_sync_per_step():
 
 
 @pytest.mark.gpu
+def test_step_copy_through_the_driver_lands_on_the_current_stream():
+    """StepBuffers.copy queues the copy and the slot's event through the driver (after each
+    slot's first, torch-made, event): the bytes land, and on a side stream the event waits
+    behind that stream's work."""
+    from graphrt import buffers
+
+    assert buffers._copy_h2d is not None, "graphrt._fast was not built with copy_h2d"
+    seed = fresh_seed()
+    rng, _ = rngs(seed)
+    cfg = small_cfg()
+    buf = StepBuffers(cfg, "cuda", ring=3)
+    layout = buf.layout(6, 96)
+    side = torch.cuda.Stream()
+    for i in range(9):
+        step = random_step(rng, cfg, num_seqs=int(rng.integers(1, 7)), decode=bool(i % 2))
+        slot = buf.pack(step, layout, rng.integers(0, 64, step.num_tokens))
+        nbytes = layout.copy_bytes(step.block_columns)
+        if i >= 6:
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(50_000_000)
+                buf.copy(slot, nbytes)
+            assert not buf._events[slot].query(), "the slot's event did not wait for the side stream's work"
+        else:
+            buf.copy(slot, nbytes)
+        torch.cuda.synchronize()
+        got = buf.arena[:nbytes].cpu()
+        assert torch.equal(got, buf.staging[slot][:nbytes]), f"step {i} (seed {seed}): the arena differs from the slot"
+    assert buf._direct, "the driver refused a copy; torch's path took over"
+
+
+@pytest.mark.gpu
 def test_replaced_cache_refuses_replay():
     device = torch.device("cuda")
     cfg = small_cfg(torch.bfloat16)
