@@ -3,7 +3,7 @@
 #   bash benchmarks/h200_checks.sh OUT PART...
 # PART: tests | sanitizer | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | probe-step | probe-host |
 #       probe-ops | bench-host | bench-capture | bench-runtime |
-#       bench-kernels | sweep-fp8 | sweep-prefill | sweep-splits | ncu-decode. ab-runtime and probe-step compare with the tree in $BASE
+#       bench-kernels | sweep-fp8 | sweep-prefill | sweep-splits | sweep-decode | ncu-decode. ab-runtime and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base); JOBS: pytest workers for tests (default 10). Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
 #       failing part does not stop the others. GRAPHRT_COMMIT labels the JSONs.
@@ -45,6 +45,7 @@ for part in "$@"; do
     sweep-fp8) timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" ;;
     sweep-prefill) timeout "$limit" python3 benchmarks/sweep_prefill.py --out "$out" ;;
     sweep-splits) timeout "$limit" python3 benchmarks/sweep_splits.py --out "$out" ;;
+    sweep-decode) timeout "$limit" python3 benchmarks/sweep_decode.py --out "$out" ;;
     ncu-decode) for shape in "--batch 8 --context 1024" "--batch 1 --context 8192" "--batch 64 --context 8192" \
                               "--batch 64 --context 8192 --fp8"; do
                   timeout "$limit" ncu --clock-control none --kernel-name regex:_attn_kernel --launch-skip 1 \

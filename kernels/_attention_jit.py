@@ -307,29 +307,61 @@ def _attn_kernel(
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    DECODE_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Tiles in reverse order: a sequence's last query tiles see the most keys (causal), so
-    # they start first and the short ones fill the tail of the launch.
-    i_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    if PDL:
+        # launched as a programmatic dependent of the kernel before it: wait for that one
+        # (and so for everything before it) before any load, then let the next launch start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i_kvh = tl.program_id(1)
     i_split = tl.program_id(2)
-
-    # Sequence of this tile: sequence i owns virtual tiles starting at
-    # query_start_loc[i] // BLOCK_Q + i (strictly increasing in i), so search for the last
-    # start <= i_tile. Over-allocated tiles fall past q_len and exit below.
-    lo = i_tile * 0                                       # a tensor in compiled and interpreted mode
-    hi = lo + max_num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if mid_start <= i_tile:
-            lo = mid + 1
+    if DECODE_MAP:
+        # A decode launch (grid max_num_seqs + num_tokens // BLOCK_Q): program p < max_num_seqs
+        # takes sequence p's first query tile with no search, so its three metadata loads go
+        # out together. Sequence i's further tiles (a longer chunk in hand-built metadata),
+        # tiles 1 .. cdiv(q_len, BLOCK_Q) - 1, are the programs from max_num_seqs +
+        # query_start_loc[i] // BLOCK_Q on: floor((a + b) / Q) >= floor(a / Q) + cdiv(b, Q) - 1
+        # keeps sequences' runs apart, and they end by num_tokens // BLOCK_Q when
+        # query_start_loc[-1] <= num_tokens. Search for the last run start <= the program.
+        i_prog = tl.program_id(0)
+        if i_prog < max_num_seqs:
+            i_seq = i_prog
+            i_qblk = i_prog * 0
         else:
-            hi = mid
-    i_seq = tl.maximum(lo - 1, 0)       # -1 only when query_start_loc[0] > 0 (hand-built)
-    q_start = tl.load(query_start_loc_ptr + i_seq)
-    q_len = tl.load(query_start_loc_ptr + i_seq + 1) - q_start
-    i_qblk = i_tile - (q_start // BLOCK_Q + i_seq)
+            i_extra = i_prog - max_num_seqs
+            lo = i_prog * 0
+            hi = lo + max_num_seqs
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if tl.load(query_start_loc_ptr + mid) // BLOCK_Q <= i_extra:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            i_seq = tl.maximum(lo - 1, 0)
+            i_qblk = 1 + i_extra - tl.load(query_start_loc_ptr + i_seq) // BLOCK_Q
+        q_start = tl.load(query_start_loc_ptr + i_seq)
+        q_len = tl.load(query_start_loc_ptr + i_seq + 1) - q_start
+    else:
+        # Tiles in reverse order: a sequence's last query tiles see the most keys (causal), so
+        # they start first and the short ones fill the tail of the launch.
+        i_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        # Sequence of this tile: sequence i owns virtual tiles starting at
+        # query_start_loc[i] // BLOCK_Q + i (strictly increasing in i), so search for the last
+        # start <= i_tile. Over-allocated tiles fall past q_len and exit below.
+        lo = i_tile * 0                                       # a tensor in compiled and interpreted mode
+        hi = lo + max_num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            if mid_start <= i_tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        i_seq = tl.maximum(lo - 1, 0)       # -1 only when query_start_loc[0] > 0 (hand-built)
+        q_start = tl.load(query_start_loc_ptr + i_seq)
+        q_len = tl.load(query_start_loc_ptr + i_seq + 1) - q_start
+        i_qblk = i_tile - (q_start // BLOCK_Q + i_seq)
     if (i_qblk < 0) | (i_qblk * BLOCK_Q >= q_len):
         return
     # keys past the block table's columns have no block: a longer seq_len (hand-built
@@ -374,24 +406,29 @@ def _merge_kernel(
     stride_pl_tok, stride_pl_head,
     max_num_seqs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:          # the attention launch before it wrote the partials (see _attn_kernel)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i_tok = tl.program_id(0)
     i_head = tl.program_id(1)
-    if i_tok >= tl.load(query_start_loc_ptr + max_num_seqs):   # padding past the step's tokens
-        return
+    # The token count, the log-sum-exps and the partials are loaded together (the workspace
+    # has a row for every token slot, so the loads stay inside it); rows of padding tokens
+    # are computed on whatever is there and not stored.
+    num_tokens = tl.load(query_start_loc_ptr + max_num_seqs)
     o_s = tl.arange(0, SPLITS_PAD)
     o_d = tl.arange(0, HEAD_DIM_PAD)
     m_s = o_s < NUM_SPLITS
     m_d = o_d < HEAD_DIM
     base_l = part_lse_ptr + i_tok.to(tl.int64) * stride_pl_tok + i_head * stride_pl_head
     b_lse = tl.load(base_l + o_s, mask=m_s, other=float("-inf"))   # [SPLITS_PAD]
-    lse_max = tl.max(b_lse, axis=0)                                 # finite: the diagonal key is in some split
-    w = tl.exp2(b_lse - lse_max)
-    w = w / tl.sum(w, axis=0)
     base_o = part_o_ptr + i_tok.to(tl.int64) * stride_po_tok + i_head * stride_po_head
     # [SPLITS_PAD, HEAD_DIM_PAD]
     b_o = tl.load(base_o + o_s[:, None] * stride_po_split + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+    lse_max = tl.max(b_lse, axis=0)                                 # finite for a token: the diagonal key is in some split
+    w = tl.exp2(b_lse - lse_max)
+    w = w / tl.sum(w, axis=0)
     b_out = tl.sum(b_o * w[:, None], axis=0)
     p_out = out_ptr + i_tok.to(tl.int64) * stride_o_tok + i_head * stride_o_head + o_d
-    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_d)
+    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_d & (i_tok + o_d * 0 < num_tokens))

@@ -1,4 +1,5 @@
-"""Argument checks shared by the launchers: each raises naming the argument and the limit."""
+"""Argument checks shared by the launchers (each raises naming the argument and the limit),
+and what the device lets them launch."""
 
 from __future__ import annotations
 
@@ -86,3 +87,19 @@ def check_kv_scales(fp8: bool, k_scale: object, v_scale: object, num_kv_heads: i
                 (num_kv_heads > 1 and s.stride(0) != 1):
             raise ValueError(f"{name} must be a contiguous [{num_kv_heads}] float32 tensor on {device}, got "
                              f"{tuple(s.shape)} {s.dtype} on {s.device}")
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can launch as programmatic dependents: a CUDA device
+    of compute capability 9.0 or later, outside Triton's interpreter, unless the
+    environment sets GRAPHRT_PDL=0."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("GRAPHRT_PDL") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _PDL.get(index)
+    if ok is None:
+        ok = _PDL[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return ok
+
+
+_PDL: dict[int, bool] = {}

@@ -30,8 +30,11 @@ def _write_kv_kernel(
     num_slots,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, ROUND_E4M3: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, ROUND_E4M3: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:          # a programmatic dependent launch: wait for the kernel before (see _attn_kernel)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i_tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + i_tok)
     if (slot < 0) | (slot >= num_slots):

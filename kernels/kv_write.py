@@ -9,7 +9,8 @@ import torch
 import triton
 
 from ._kv_write_jit import _round_to_e4m3, _write_kv_kernel  # noqa: F401
-from ._checks import CACHE_DTYPES, check_cache_dtypes, check_kv_scales, check_runnable, check_shape, check_tensor
+from ._checks import (CACHE_DTYPES, check_cache_dtypes, check_kv_scales, check_runnable, check_shape, check_tensor,
+                      pdl_supported)
 from .metadata import AttentionMetadata
 
 
@@ -49,6 +50,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                          f"token slots): k and v need one row per token slot")
     if num_tokens == 0:
         return
+    pdl = pdl_supported(device)
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k, v_scale if fp8 else v,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -57,6 +59,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.shape[0] * k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        KV_BLOCK_SIZE=k_cache.shape[1], QUANTIZE=fp8, ROUND_E4M3=fp8 and device.type == "cpu",
-        num_warps=4,
+        KV_BLOCK_SIZE=k_cache.shape[1], QUANTIZE=fp8, ROUND_E4M3=fp8 and device.type == "cpu", PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )

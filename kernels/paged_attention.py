@@ -41,7 +41,7 @@ import triton
 from ._attention_jit import (RULE_CLIP, RULE_RANGES_UNCLIPPED, RULE_TWO_SIDED, _PER_BUCKET,  # noqa: F401
                              _attend_key_tile, _attend_span, _attend_tile, _attn_kernel, _merge_kernel)
 from ._checks import (CACHE_DTYPES, check_cache_dtypes, check_head_dim, check_kv_scales, check_runnable,
-                      check_same_dtype, check_shape, check_tensor)
+                      check_same_dtype, check_shape, check_tensor, pdl_supported)
 from .metadata import AttentionMetadata
 
 # How a sliding window and prefix ranges combine (see the module doc). The names say what
@@ -78,6 +78,10 @@ class KernelConfig:
     # (decodes inside a mixed launch); they get a 16-row tile instead of block_q tokens.
     # None: every sequence gets the main tile.
     short_block_n: int | None = None
+    # Launch the kernels as programmatic dependents of the kernel before them (PDL, sm_90
+    # and up): a launch is set up while the previous one finishes and waits on the device
+    # (``griddepcontrol.wait``) before its first load. Ignored where unsupported.
+    pdl: bool = True
 
 
 # (head_dim <= 128, element bytes) -> (decode config (block_n, warps, stages), mixed
@@ -237,6 +241,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o, part_lse = out, out    # unused by the kernel without SPLIT
 
     head_dim_pad = triton.next_power_of_2(head_dim)
+    pdl = cfg.pdl and pdl_supported(device)
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,
@@ -258,8 +263,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_SOFTCAP=softcap is not None,
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
         SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
-        KV_FP8=fp8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=fp8, DECODE_MAP=max_query_len == 1, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _merge_kernel[(num_tokens, num_q_heads)](
@@ -269,7 +274,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             part_lse.stride(0), part_lse.stride(1),
             max_num_seqs,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
         )
     return out

@@ -102,9 +102,9 @@ ANY64 = st.one_of(st.integers(-4, 300), st.sampled_from([-1, 2 ** 62, -(2 ** 62)
        max_ranges=st.integers(0, 2), splits=st.sampled_from([1, 1, 2]),
        window=st.sampled_from([None, 1, 5, 2 ** 40]),
        window_rule=st.sampled_from(["clip", "two_sided", "ranges_unclipped"]), ranges=st.booleans(),
-       softcap=st.sampled_from([None, 3.0]))
+       softcap=st.sampled_from([None, 3.0]), max_query_len=st.sampled_from([None, 1]))
 def test_garbage_metadata_stays_inside(data, num_seqs, num_tokens, max_blocks, max_ranges, splits, window,
-                                       window_rule, ranges, softcap, device):
+                                       window_rule, ranges, softcap, max_query_len, device):
     """Arbitrary metadata values (negative, huge, unsorted, out of range): write_kv and
     paged_attention return, and write nothing outside the caches, out and the workspace.
     What they compute from such input is unspecified."""
@@ -138,7 +138,7 @@ def test_garbage_metadata_stays_inside(data, num_seqs, num_tokens, max_blocks, m
 
     write_kv(k_new, k_new, k_cache, v_cache, meta)
     paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, workspace=workspace, window=window,
-                    window_rule=window_rule, ranges=ranges, softcap=softcap)
+                    window_rule=window_rule, ranges=ranges, softcap=softcap, max_query_len=max_query_len)
 
     if device.type == "cuda":
         torch.cuda.synchronize()

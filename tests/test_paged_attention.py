@@ -43,10 +43,18 @@ class Case:
     splits: int = 1
     column_major: bool = False         # block table stored [blocks, seqs], as the runtime's arena holds it
     config: KernelConfig | None = None # tile shape (None: the launcher's default)
+    max_query_len: int | None = None   # 1: a decode launch (its tile, programs mapped to sequences directly)
 
 
 CASES = [
     Case("decode-block-edges", (S(1, 0), S(1, 15), S(1, 16), S(1, 17), S(1, 47))),
+    Case("decode-launch", (S(1, 0), S(1, 15), S(1, 16), S(1, 130, ((3, 100),)), S(1, 47)), max_query_len=1),
+    Case("decode-launch-split", (S(1, 200, ((3, 100),)), S(1, 5), S(1, 130), S(1, 0)), splits=3, max_query_len=1),
+    # a decode launch given longer query runs (hand-built metadata): each sequence's
+    # further tiles come from the programs past max_num_seqs
+    Case("decode-launch-longer-queries", (S(1, 20), S(9, 3, ((0, 5),)), S(0, 4), S(17, 30), S(1, 0), S(6, 0),
+                                          S(4, 9)), max_query_len=1, splits=2),
+    Case("random-decode-launch", window=33, max_query_len=1),
     Case("prefill-odd-mha", (S(17, 0), S(63, 0), S(1, 33)), heads=(2, 2)),
     Case("mixed-mqa", (S(1, 70), S(40, 8), S(1, 0), S(17, 15)), heads=(8, 1)),
     Case("column-major-block-table", (S(1, 70, ((3, 40),)), S(40, 8), S(17, 15)), column_major=True, splits=2),
@@ -114,7 +122,8 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device) -> None:
     out = torch.full_like(q, float("nan"))
     opts = dict(window=case.window, window_rule=case.window_rule, ranges=case.ranges, softcap=case.softcap)
 
-    paged_attention(q, k_cache, v_cache, out, meta, num_splits=case.splits, config=case.config, **opts)
+    paged_attention(q, k_cache, v_cache, out, meta, num_splits=case.splits, config=case.config,
+                    max_query_len=case.max_query_len, **opts)
 
     ref = reference.paged_attention(q, k_cache, v_cache, meta, **opts)
     assert_close(f"out[{case.id}]", out[:total], ref, *TOL[dtype], seed)
@@ -200,6 +209,7 @@ def test_random_tile_shapes(device):
                     ranges=bool(rng.random() < 0.8),
                     softcap=3.0 if rng.random() < 0.3 else None)
         splits = int(rng.choice([1, 1, 2, 3]))
+        max_query_len = 1 if rng.random() < 0.3 else None     # the decode launch's program mapping
         seqs = random_seqs(rng, int(rng.integers(1, 5)), max_q=50, max_ctx=150, max_ranges=2)
         total = sum(s.q_len for s in seqs)
         num_blocks = sum(-(-s.seq_len // 16) for s in seqs) + 4
@@ -209,7 +219,8 @@ def test_random_tile_shapes(device):
         v_cache = torch.randn(num_blocks, 16, hkv, 64, generator=gen).to(device)
         q = torch.randn(total + 3, hq, 64, generator=gen).to(device)
         out = torch.full_like(q, float("nan"))
-        paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, config=config, **opts)
+        paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, config=config,
+                        max_query_len=max_query_len, **opts)
         ref = reference.paged_attention(q, k_cache, v_cache, meta, **opts)
-        assert_close(f"out[{config}, splits={splits}, {opts}]", out[:total], ref, *TOL[torch.float32], seed)
+        assert_close(f"out[{config}, splits={splits}, max_query_len={max_query_len}, {opts}]", out[:total], ref, *TOL[torch.float32], seed)
         assert torch.isnan(out[total:]).all(), f"padded rows were written (seed={seed})"

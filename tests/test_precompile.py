@@ -51,7 +51,7 @@ def write_kv_variant(head_dim: int, fp8: bool = False, ints_as_one: bool = False
     from graphrt.kernels.kv_write import _write_kv_kernel
 
     const = dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, KV_BLOCK_SIZE=16,
-                 QUANTIZE=fp8, ROUND_E4M3=False)
+                 QUANTIZE=fp8, ROUND_E4M3=False, PDL=True)
     cache = "fp8e4nv" if fp8 else "bf16"
     pointers = dict(k_ptr="bf16", v_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache, slot_mapping_ptr="i64",
                     k_scale_ptr="fp32", v_scale_ptr="fp32")
@@ -68,12 +68,14 @@ def attention_variants(ints_as_one: bool) -> list[Variant]:
                   WINDOW_RULE=0, IEEE_DOT=False)
     fp32 = dict(part_o_ptr="fp32", part_lse_ptr="fp32", k_scale_ptr="fp32", v_scale_ptr="fp32")
     everything = dict(common, BLOCK_Q=64, BLOCK_N=64, SHORT_Q=4, SHORT_BLOCK_N=128, USE_WINDOW=True,
-                      USE_RANGES=True, USE_SOFTCAP=True, SPLIT=True, KV_FP8=False)
+                      USE_RANGES=True, USE_SOFTCAP=True, SPLIT=True, KV_FP8=False,
+                      DECODE_MAP=False, PDL=True)
     fp8 = dict(common, BLOCK_Q=4, BLOCK_N=128, SHORT_Q=0, SHORT_BLOCK_N=0, USE_WINDOW=False,
-               USE_RANGES=False, USE_SOFTCAP=False, SPLIT=False, KV_FP8=True)
+               USE_RANGES=False, USE_SOFTCAP=False, SPLIT=False, KV_FP8=True,
+               DECODE_MAP=True, PDL=False)
     halves = dict(fp32, q_ptr="fp16", out_ptr="fp16", k_cache_ptr="fp16", v_cache_ptr="fp16")
     e4m3 = dict(fp32, q_ptr="bf16", out_ptr="bf16", k_cache_ptr="fp8e4nv", v_cache_ptr="fp8e4nv")
-    merge = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4)
+    merge = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4, PDL=True)
     return [variant(_attn_kernel, everything, halves, ints_as_one, num_warps=8),
             variant(_attn_kernel, fp8, e4m3, ints_as_one),
             variant(_merge_kernel, merge, dict(out_ptr="fp16", part_o_ptr="fp32", part_lse_ptr="fp32"), ints_as_one)]

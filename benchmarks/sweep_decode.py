@@ -1,0 +1,102 @@
+"""Small-batch decode, variant by variant in one run: what each change to the decode launch
+is worth, as time per launch inside a graph of launches (as ``sweep_splits.py``).
+
+    python benchmarks/sweep_decode.py [--out DIR]
+
+Variants (bf16 cache, 32/8 heads, head_dim 128, KV block 16, random block placement):
+
+    search         the prefill launch's program mapping (a binary search over
+                   query_start_loc per program) with the decode tile, no PDL
+    map            the decode launch's mapping (program p takes sequence p), no PDL
+    map+pdl        ... launched as programmatic dependents (the default on sm_90)
+    map+pdl n64    ... with 64-key tiles instead of 128
+    map+pdl s3     ... with 3 pipeline stages instead of 2
+    map+pdl xN     ... with N splits instead of ``decode_splits``' pick
+
+and a layer-like graph, ``layer``: a torch kernel (standing for the projections), the KV
+write, then attention (+ merge), per call, with PDL off and on. Writes
+``sweep_decode.json``: per row ms, TB/s read and ``of_copy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from graphrt.bench.common import time_ms, write
+from graphrt.bench.kernels import (D, DEV, DT, HKV, HQ, _caches, calls_per_graph, ceilings, kv_bytes, make_meta)
+
+SHAPES = [(1, 1024), (1, 8192), (1, 32768), (8, 1024), (8, 8192), (64, 8192)]
+
+
+def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = False) -> tuple[float, int]:
+    """(ms per call, splits) of one variant at (batch, context)."""
+    from graphrt.kernels import decode_splits, default_config, paged_attention, split_workspace, write_kv
+
+    meta, nblk = make_meta([1] * batch, [ctx - 1] * batch, [[]] * batch)
+    cfg = default_config(D, DT, HQ // HKV, max_query_len=1)
+    splits = decode_splits(batch, HKV, DEV)
+    max_query_len = 1
+    words = variant.split()
+    if words[0] == "search":
+        max_query_len, cfg = None, dataclasses.replace(cfg, pdl=False)
+    elif words[0] in ("map", "layer-off"):
+        cfg = dataclasses.replace(cfg, pdl=False)
+    for w in words[1:]:
+        if w.startswith("n"):
+            cfg = dataclasses.replace(cfg, block_n=int(w[1:]))
+        elif w.startswith("s"):
+            cfg = dataclasses.replace(cfg, num_stages=int(w[1:]))
+        elif w.startswith("x"):
+            splits = int(w[1:])
+    calls = calls_per_graph(kv_bytes(batch, ctx))
+    layers = []
+    for _ in range(calls):
+        kc, vc = _caches(nblk)
+        q = torch.randn(batch, HQ, D, device=DEV, dtype=DT)
+        kv = torch.randn(batch, HKV, D, device=DEV, dtype=DT)
+        ws = split_workspace(batch, HQ, D, splits, DEV) if splits > 1 else None
+        layers.append((q, kc, vc, kv, torch.empty_like(q), ws))
+
+    def run():
+        for q, kc, vc, kv, out, ws in layers:
+            if layer:
+                q.mul_(1.0)                       # a torch kernel before the layer's own
+                write_kv(kv, kv, kc, vc, meta)
+            paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws, max_query_len=max_query_len,
+                            config=cfg)
+
+    return time_ms(run, iters=iters) / calls, splits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
+    args = parser.parse_args()
+    quick = not torch.cuda.is_available()
+    shapes = [(1, 64), (2, 64)] if quick else SHAPES
+    iters = 3 if quick else 50
+    env = ceilings(quick)
+    rows = []
+    for batch, ctx in shapes:
+        variants = ["search", "map", "map+pdl", "map+pdl n64", "map+pdl s3"]
+        if batch == 1:
+            variants += ["map+pdl x8", "map+pdl x16", "map+pdl x64"]
+        if batch == 8:
+            variants += ["map+pdl x8", "map+pdl x16"]
+        cells = [(v, False) for v in variants] + [("layer-off", True), ("layer-pdl", True)]
+        for name, layer in cells:
+            ms, splits = launch_ms(batch, ctx, name.replace("map+pdl", "pdl"), iters=iters, layer=layer)
+            tbps = kv_bytes(batch, ctx) / ms / 1e9
+            rows.append(dict(variant=name, batch=batch, context=ctx, splits=splits, ms=ms, tbps=tbps,
+                             of_copy=tbps / env["copy_tbps"], calls_per_graph=calls_per_graph(kv_bytes(batch, ctx))))
+            print(f"batch {batch:3d} ctx {ctx:6d} {name:14s} splits {splits:2d}: {1000 * ms:8.2f} us "
+                  f"{tbps:5.2f} TB/s = {tbps / env['copy_tbps']:.2f} x copy", flush=True)
+    print(f"wrote {write(args.out, 'sweep_decode' if not quick else 'sweep_decode_quick', rows, env)}")
+
+
+if __name__ == "__main__":
+    main()
