@@ -6,12 +6,12 @@ is worth, as time per launch inside a graph of launches (as ``sweep_splits.py``)
 Variants (bf16 cache, 32/8 heads, head_dim 128, KV block 16, random block placement):
 
     search         the prefill launch's program mapping (a binary search over
-                   query_start_loc per program) with the decode tile, no PDL
-    map            the decode launch's mapping (program p takes sequence p), no PDL
-    map+pdl        ... launched as programmatic dependents (the default on sm_90)
-    map+pdl n64    ... with 64-key tiles instead of 128
-    map+pdl s3     ... with 3 pipeline stages instead of 2
-    map+pdl xN     ... with N splits instead of ``decode_splits``' pick
+                   query_start_loc per program) with the decode tile
+    map            the decode launch's mapping (program p takes sequence p): the default
+    pdl            ... launched as programmatic dependents (GRAPHRT_PDL=1)
+    map n64        ... with 64-key tiles instead of 128
+    map s3         ... with 3 pipeline stages instead of 2
+    map xN         ... with N splits instead of ``decode_splits``' pick
 
 and a layer-like graph, ``layer``: a torch kernel (standing for the projections), the KV
 write, then attention (+ merge), per call, with PDL off and on. Writes
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
@@ -41,10 +42,10 @@ def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = F
     splits = decode_splits(batch, HKV, DEV)
     max_query_len = 1
     words = variant.split()
+    pdl = words[0] in ("pdl", "layer-pdl")
+    cfg = dataclasses.replace(cfg, pdl=pdl)
     if words[0] == "search":
-        max_query_len, cfg = None, dataclasses.replace(cfg, pdl=False)
-    elif words[0] in ("map", "layer-off"):
-        cfg = dataclasses.replace(cfg, pdl=False)
+        max_query_len = None
     for w in words[1:]:
         if w.startswith("n"):
             cfg = dataclasses.replace(cfg, block_n=int(w[1:]))
@@ -65,11 +66,19 @@ def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = F
         for q, kc, vc, kv, out, ws in layers:
             if layer:
                 q.mul_(1.0)                       # a torch kernel before the layer's own
-                write_kv(kv, kv, kc, vc, meta)
+                write_kv(kv, kv, kc, vc, meta)    # PDL as GRAPHRT_PDL says
             paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws, max_query_len=max_query_len,
                             config=cfg)
 
-    return time_ms(run, iters=iters) / calls, splits
+    previous = os.environ.get("GRAPHRT_PDL")
+    os.environ["GRAPHRT_PDL"] = "1" if pdl else "0"
+    try:
+        return time_ms(run, iters=iters) / calls, splits
+    finally:
+        if previous is None:
+            del os.environ["GRAPHRT_PDL"]
+        else:
+            os.environ["GRAPHRT_PDL"] = previous
 
 
 def main() -> None:
@@ -82,14 +91,14 @@ def main() -> None:
     env = ceilings(quick)
     rows = []
     for batch, ctx in shapes:
-        variants = ["search", "map", "map+pdl", "map+pdl n64", "map+pdl s3"]
+        variants = ["search", "map", "pdl", "map n64", "map s3"]
         if batch == 1:
-            variants += ["map+pdl x8", "map+pdl x16", "map+pdl x64"]
+            variants += ["map x8", "map x16", "map x64"]
         if batch == 8:
-            variants += ["map+pdl x8", "map+pdl x16"]
+            variants += ["map x8", "map x16"]
         cells = [(v, False) for v in variants] + [("layer-off", True), ("layer-pdl", True)]
         for name, layer in cells:
-            ms, splits = launch_ms(batch, ctx, name.replace("map+pdl", "pdl"), iters=iters, layer=layer)
+            ms, splits = launch_ms(batch, ctx, name, iters=iters, layer=layer)
             tbps = kv_bytes(batch, ctx) / ms / 1e9
             rows.append(dict(variant=name, batch=batch, context=ctx, splits=splits, ms=ms, tbps=tbps,
                              of_copy=tbps / env["copy_tbps"], calls_per_graph=calls_per_graph(kv_bytes(batch, ctx))))

@@ -303,22 +303,32 @@ class Runtime:
                 ctx = StepContext(self, self.buffers.device_views(layout), max_query_len=None, num_splits=1)
             nbytes = layout.copy_bytes(step.block_columns)
             tr = self.tracer
-            with tr.range("stage", bucket=bucket, seqs=n_seqs, tokens=n_tokens):
+            if not tr.enabled:      # the same three stages with no range calls (a few us a step)
                 slot = self.buffers.pack(step, layout, host_ids, rows)
-            with tr.range("copy", bytes=nbytes):
-                self.buffers.copy(slot, nbytes, strict=strict)
-                if device_ids is not None:
-                    ctx.input_ids[:n_tokens].copy_(device_ids, non_blocking=True)
-                if rows is not None:
-                    ctx.inputs_embeds[: rows.shape[0]].copy_(embeds, non_blocking=True)
-            if captured is not None:
-                with tr.range("replay", bucket=bucket, seqs=n_seqs, tokens=n_tokens):
-                    outputs = self.graphs.replay(captured)
+                self._copy(ctx, slot, nbytes, strict, n_tokens, device_ids, embeds, rows)
+                outputs = self.graphs.replay(captured) if captured is not None else self.model_step(ctx)
             else:
-                with tr.range("eager", seqs=n_seqs, tokens=n_tokens):
-                    outputs = self.model_step(ctx)
+                with tr.range("stage", bucket=bucket, seqs=n_seqs, tokens=n_tokens):
+                    slot = self.buffers.pack(step, layout, host_ids, rows)
+                with tr.range("copy", bytes=nbytes):
+                    self._copy(ctx, slot, nbytes, strict, n_tokens, device_ids, embeds, rows)
+                if captured is not None:
+                    with tr.range("replay", bucket=bucket, seqs=n_seqs, tokens=n_tokens):
+                        outputs = self.graphs.replay(captured)
+                else:
+                    with tr.range("eager", seqs=n_seqs, tokens=n_tokens):
+                        outputs = self.model_step(ctx)
         self.last = StepInfo("replay" if captured is not None else "eager", bucket, n_seqs, n_tokens, nbytes)
         return outputs
+
+    def _copy(self, ctx: StepContext, slot: int, nbytes: int, strict: bool, n_tokens: int,
+              device_ids: torch.Tensor | None, embeds: torch.Tensor | None, rows: np.ndarray | None) -> None:
+        """The step's one host-to-device copy, then its device-to-device ones (ids, embeddings)."""
+        self.buffers.copy(slot, nbytes, strict=strict)
+        if device_ids is not None:
+            ctx.input_ids[:n_tokens].copy_(device_ids, non_blocking=True)
+        if rows is not None:
+            ctx.inputs_embeds[: rows.shape[0]].copy_(embeds, non_blocking=True)
 
 
 _NULL = contextlib.nullcontext()

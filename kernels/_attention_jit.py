@@ -176,10 +176,6 @@ def _attend_tile(
     q_pos = ctx_len + o_tok                               # [BLOCK_M] absolute positions
     i_qh = i_kvh * QPK + o_head                           # [BLOCK_M] query heads
 
-    # [BLOCK_M, HEAD_DIM_PAD]
-    p_q = q_ptr + o_row.to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
-
     # The prefix range holding each query row ([0, 0) when none): ranges never overlap.
     r_start = tl.zeros([BLOCK_M], dtype=tl.int32)
     r_end = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -224,7 +220,16 @@ def _attend_tile(
         per_split = tl.cdiv(kt_hi - kt_lo, tl.num_programs(2))
         st_lo = kt_lo + i_split * per_split
         st_hi = tl.minimum(st_lo + per_split, kt_hi)
+        if st_lo >= st_hi:
+            # An idle split (a context shorter than the launch's split count in key tiles):
+            # its log-sum-exp says so, and the merge reads no partial output of it.
+            p_pl = part_lse_ptr + o_row.to(tl.int64) * stride_pl_tok + i_qh * stride_pl_head + i_split
+            tl.store(p_pl, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=m_row)
+            return
 
+    # [BLOCK_M, HEAD_DIM_PAD]
+    p_q = q_ptr + o_row.to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
     if KV_FP8:       # K = codes * k_scale: folded into the logit scale; V's scale into the output
         scale_log2e = scale_log2e * tl.load(k_scale_ptr + i_kvh)
         if q_ptr.dtype.element_ty == tl.bfloat16:
@@ -429,6 +434,8 @@ def _merge_kernel(
     lse_max = tl.max(b_lse, axis=0)                                 # finite for a token: the diagonal key is in some split
     w = tl.exp2(b_lse - lse_max)
     w = w / tl.sum(w, axis=0)
-    b_out = tl.sum(b_o * w[:, None], axis=0)
+    # an idle split (log-sum-exp -inf, weight 0) wrote no partial output: what is there
+    # (NaN, say) must not reach the sum
+    b_out = tl.sum(tl.where(w[:, None] > 0.0, b_o * w[:, None], 0.0), axis=0)
     p_out = out_ptr + i_tok.to(tl.int64) * stride_o_tok + i_head * stride_o_head + o_d
     tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_d & (i_tok + o_d * 0 < num_tokens))

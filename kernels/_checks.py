@@ -89,11 +89,13 @@ def check_kv_scales(fp8: bool, k_scale: object, v_scale: object, num_kv_heads: i
                              f"{tuple(s.shape)} {s.dtype} on {s.device}")
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can launch as programmatic dependents: a CUDA device
-    of compute capability 9.0 or later, outside Triton's interpreter, unless the
-    environment sets GRAPHRT_PDL=0."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("GRAPHRT_PDL") == "0":
+def pdl_supported(device: torch.device, wanted: bool | None = None) -> bool:
+    """Whether to launch kernels on ``device`` as programmatic dependents: ``wanted`` (None:
+    the environment's GRAPHRT_PDL is "1"), on a CUDA device of compute capability 9.0 or
+    later, outside Triton's interpreter."""
+    if wanted is None:
+        wanted = os.environ.get("GRAPHRT_PDL") == "1"
+    if not wanted or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     ok = _PDL.get(index)

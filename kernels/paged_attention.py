@@ -80,8 +80,11 @@ class KernelConfig:
     short_block_n: int | None = None
     # Launch the kernels as programmatic dependents of the kernel before them (PDL, sm_90
     # and up): a launch is set up while the previous one finishes and waits on the device
-    # (``griddepcontrol.wait``) before its first load. Ignored where unsupported.
-    pdl: bool = True
+    # (``griddepcontrol.wait``) before its first load. None: as the environment's
+    # GRAPHRT_PDL says (off unless "1"). Ignored where unsupported. Off by default: on the
+    # H200 it saved 0.3 us of a 10 us decode launch among launches of its own and cost
+    # 1-1.5 us of a layer-like graph (benchmarks/sweep_decode.py).
+    pdl: bool | None = None
 
 
 # (head_dim <= 128, element bytes) -> (decode config (block_n, warps, stages), mixed
@@ -241,7 +244,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o, part_lse = out, out    # unused by the kernel without SPLIT
 
     head_dim_pad = triton.next_power_of_2(head_dim)
-    pdl = cfg.pdl and pdl_supported(device)
+    pdl = pdl_supported(device, cfg.pdl)
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _cases import DTYPES, TOL, Seq, assert_close, build_meta, fresh_seed, random_seqs, rngs
-from graphrt.kernels import KernelConfig, paged_attention, reference, split_workspace, write_kv
+from graphrt.kernels import KernelConfig, default_config, paged_attention, reference, split_workspace, write_kv
 
 S = Seq
 RANGE_EDGES = (
@@ -178,6 +178,7 @@ def test_same_launch_serves_changing_steps(device):
     meta = type(first)(**fixed)
     out = torch.empty_like(q)
     workspace = split_workspace(num_tokens, 4, 64, 3, device)
+    workspace[0].fill_(float("nan"))   # idle splits write no partial output: the merge must not read one
     for seqs in steps:
         new, _ = build_meta(seqs, block_size=16, num_blocks=num_blocks, max_ranges=2, rng=rng, device=device,
                             num_seqs=num_seqs, num_tokens=num_tokens)
@@ -224,3 +225,59 @@ def test_random_tile_shapes(device):
         ref = reference.paged_attention(q, k_cache, v_cache, meta, **opts)
         assert_close(f"out[{config}, splits={splits}, max_query_len={max_query_len}, {opts}]", out[:total], ref, *TOL[torch.float32], seed)
         assert torch.isnan(out[total:]).all(), f"padded rows were written (seed={seed})"
+
+
+@pytest.mark.gpu
+def test_programmatic_dependent_launches_in_a_graph(monkeypatch):
+    """With PDL on (GRAPHRT_PDL=1), a captured torch copy -> write_kv -> attention -> merge
+    chain waits for each launch's inputs: replays over new queries, keys and metadata give
+    the reference result."""
+    from graphrt.kernels._checks import pdl_supported
+
+    device = torch.device("cuda")
+    monkeypatch.setenv("GRAPHRT_PDL", "1")
+    if not pdl_supported(device):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    num_blocks, num_seqs, hq, hkv, d = 300, 3, 8, 2, 64
+    k_cache = torch.randn(num_blocks, 16, hkv, d, generator=gen).to(device, torch.float16)
+    v_cache = torch.randn(num_blocks, 16, hkv, d, generator=gen).to(device, torch.float16)
+    steps = [[S(1, 900), S(1, 5), S(1, 2000, ((100, 400),))], [S(1, 30), S(1, 1500), S(1, 0)]]
+    first, _ = build_meta(steps[0], block_size=16, num_blocks=num_blocks, max_ranges=1, rng=rng, device=device,
+                          num_seqs=num_seqs, num_tokens=num_seqs)
+    fixed = {name: getattr(first, name).clone() for name in first.__dataclass_fields__}
+    meta = type(first)(**fixed)
+    q_in, kv_in = (torch.empty(num_seqs, h, d, device=device, dtype=torch.float16) for h in (hq, hkv))
+    q, kv, out = torch.empty_like(q_in), torch.empty_like(kv_in), torch.empty_like(q_in)
+    workspace = split_workspace(num_seqs, hq, d, 16, device)
+    config = dataclasses.replace(default_config(d, torch.float16, hq // hkv, max_query_len=1), pdl=True)
+
+    def run():
+        q.copy_(q_in)
+        kv.copy_(kv_in)
+        write_kv(kv, kv, k_cache, v_cache, meta)
+        paged_attention(q, k_cache, v_cache, out, meta, num_splits=16, workspace=workspace, max_query_len=1,
+                        config=config)
+
+    run()                                   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seqs in steps:
+        new, _ = build_meta(seqs, block_size=16, num_blocks=num_blocks, max_ranges=1, rng=rng, device=device,
+                            num_seqs=num_seqs, num_tokens=num_seqs)
+        for name in fixed:
+            src = getattr(new, name)
+            fixed[name].zero_()[tuple(slice(0, n) for n in src.shape)].copy_(src)
+        q_in.copy_(torch.randn(q_in.shape, generator=gen).to(device, torch.float16))
+        kv_in.copy_(torch.randn(kv_in.shape, generator=gen).to(device, torch.float16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        slots = meta.slot_mapping.long()
+        assert torch.equal(k_ref.view(-1, hkv, d)[slots], kv_in), f"KV write missed (seed={seed})"
+        ref = reference.paged_attention(q_in, k_ref, v_ref, meta)
+        assert_close(f"out[{len(seqs)} seqs, pdl]", out, ref, *TOL[torch.float16], seed)
