@@ -248,7 +248,8 @@ def test_programmatic_dependent_launches_in_a_graph(monkeypatch):
                           num_seqs=num_seqs, num_tokens=num_seqs)
     fixed = {name: getattr(first, name).clone() for name in first.__dataclass_fields__}
     meta = type(first)(**fixed)
-    q_in, kv_in = (torch.empty(num_seqs, h, d, device=device, dtype=torch.float16) for h in (hq, hkv))
+    # finite inputs from the start: the warm-up and capture runs write K/V into the cache too
+    q_in, kv_in = (torch.randn(num_seqs, h, d, generator=gen).to(device, torch.float16) for h in (hq, hkv))
     q, kv, out = torch.empty_like(q_in), torch.empty_like(kv_in), torch.empty_like(q_in)
     workspace = split_workspace(num_seqs, hq, d, 16, device)
     config = dataclasses.replace(default_config(d, torch.float16, hq // hkv, max_query_len=1), pdl=True)
