@@ -162,6 +162,14 @@ def test_write_then_attend(dtype, device):
     assert_close("out", out[:total], reference.paged_attention(q, k_ref, v_ref, meta), *TOL[dtype], seed)
 
 
+def refill(fixed: dict[str, torch.Tensor], new) -> None:
+    """Put ``new`` metadata into the fixed tensors in place (zero-padded), as a runtime's
+    buffers are between replays of one launch."""
+    for name, t in fixed.items():
+        src = getattr(new, name)
+        t.zero_()[tuple(slice(0, n) for n in src.shape)].copy_(src)
+
+
 def test_same_launch_serves_changing_steps(device):
     """One set of launch arguments (as a captured graph would hold) over metadata that
     changes in place between calls, short and long contexts alike, with splits."""
@@ -182,9 +190,7 @@ def test_same_launch_serves_changing_steps(device):
     for seqs in steps:
         new, _ = build_meta(seqs, block_size=16, num_blocks=num_blocks, max_ranges=2, rng=rng, device=device,
                             num_seqs=num_seqs, num_tokens=num_tokens)
-        for name in fixed:
-            src = getattr(new, name)
-            fixed[name].zero_()[tuple(slice(0, n) for n in src.shape)].copy_(src)
+        refill(fixed, new)
         out.fill_(float("nan"))
         paged_attention(q, k_cache, v_cache, out, meta, num_splits=3, workspace=workspace)
         total = sum(s.q_len for s in seqs)
@@ -269,9 +275,7 @@ def test_programmatic_dependent_launches_in_a_graph(monkeypatch):
     for seqs in steps:
         new, _ = build_meta(seqs, block_size=16, num_blocks=num_blocks, max_ranges=1, rng=rng, device=device,
                             num_seqs=num_seqs, num_tokens=num_seqs)
-        for name in fixed:
-            src = getattr(new, name)
-            fixed[name].zero_()[tuple(slice(0, n) for n in src.shape)].copy_(src)
+        refill(fixed, new)
         q_in.copy_(torch.randn(q_in.shape, generator=gen).to(device, torch.float16))
         kv_in.copy_(torch.randn(kv_in.shape, generator=gen).to(device, torch.float16))
         out.fill_(float("nan"))
