@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--short-q", type=int, default=0)
     parser.add_argument("--short-block-n", type=int, default=0)
     parser.add_argument("--splits", type=int, default=1)
+    parser.add_argument("--merge-launch", action="store_true", help="with --splits, the merge as a second launch "
+                        "(KernelConfig.fuse_merge=False)")
     parser.add_argument("--mixed", action="store_true", help="a mixed launch's program mapping (a search per program)")
     parser.add_argument("--pdl", action="store_true", help="launched as a programmatic dependent")
     parser.add_argument("--warps", type=int, default=4)
@@ -58,7 +60,7 @@ def main() -> None:
                      BLOCK_N=args.block_n, SHORT_Q=args.short_q, SHORT_BLOCK_N=args.short_block_n, MAX_RANGES=8,
                      USE_WINDOW=args.window, WINDOW_RULE=0, USE_RANGES=True, USE_SOFTCAP=False,
                      SPLIT=args.splits > 1, NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8,
-                     DECODE_MAP=not args.mixed, PDL=args.pdl)
+                     FUSE_MERGE=args.splits > 1 and not args.merge_launch, DECODE_MAP=not args.mixed, PDL=args.pdl)
         # the values the runtime passes for a 256-sequence decode bucket (what Triton
         # specialises on: == 1, divisible by 16)
         ints = dict(stride_q_tok=4096, stride_q_head=128, stride_k_blk=16384, stride_k_tok=1024, stride_k_head=128,

@@ -12,6 +12,8 @@ Variants (bf16 cache, 32/8 heads, head_dim 128, KV block 16, random block placem
     map n64        ... with 64-key tiles instead of 128
     map s3         ... with 3 pipeline stages instead of 2
     map xN         ... with N splits instead of ``decode_splits``' pick
+    ... launch     ... with the split-KV merge as a second launch (``fuse_merge=False``)
+                   instead of inside the attention launch
 
 and a layer-like graph, ``layer``: a torch kernel (standing for the projections), the KV
 write, then attention (+ merge), per call, with PDL off and on. Writes
@@ -47,7 +49,9 @@ def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = F
     if words[0] == "search":
         max_query_len = None
     for w in words[1:]:
-        if w.startswith("n"):
+        if w == "launch":
+            cfg = dataclasses.replace(cfg, fuse_merge=False)
+        elif w.startswith("n"):
             cfg = dataclasses.replace(cfg, block_n=int(w[1:]))
         elif w.startswith("s"):
             cfg = dataclasses.replace(cfg, num_stages=int(w[1:]))
@@ -91,12 +95,13 @@ def main() -> None:
     env = ceilings(quick)
     rows = []
     for batch, ctx in shapes:
-        variants = ["search", "map", "pdl", "map n64", "map s3"]
+        variants = ["map", "map launch", "pdl", "map n64", "map n64 launch"]
         if batch == 1:
-            variants += ["map x8", "map x16", "map x64"]
+            variants += ["map x8", "map x8 launch", "map x16"]
         if batch == 8:
             variants += ["map x8", "map x16"]
-        cells = [(v, False) for v in variants] + [("layer-off", True), ("layer-pdl", True)]
+        cells = [(v, False) for v in variants] + [("layer-off", True), ("layer-off launch", True),
+                                                  ("layer-pdl", True)]
         for name, layer in cells:
             ms, splits = launch_ms(batch, ctx, name, iters=iters, layer=layer)
             tbps = kv_bytes(batch, ctx) / ms / 1e9

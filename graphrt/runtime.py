@@ -46,7 +46,8 @@ class StepContext:
         self._max_query_len = max_query_len
         self._num_splits = num_splits
         cfg = runtime.cfg
-        self._workspace = (split_workspace(self.num_tokens, cfg.num_q_heads, cfg.head_dim, num_splits, runtime.device)
+        self._workspace = (split_workspace(self.num_tokens, cfg.num_q_heads, cfg.head_dim, num_splits, runtime.device,
+                                           max_num_seqs=self.num_seqs)
                            if num_splits > 1 else None)
 
     @property
@@ -307,17 +308,24 @@ class Runtime:
                 slot = self.buffers.pack(step, layout, host_ids, rows)
                 self._copy(ctx, slot, nbytes, strict, n_tokens, device_ids, embeds, rows)
                 outputs = self.graphs.replay(captured) if captured is not None else self.model_step(ctx)
-            else:
-                with tr.range("stage", bucket=bucket, seqs=n_seqs, tokens=n_tokens):
+            else:                   # three ranges, prebuilt per step shape, pushed here
+                stage_range, copy_range, run_range = tr.step_ranges(bucket, n_seqs, n_tokens, nbytes)
+                domain = tr.domain
+                domain.push_range(stage_range)
+                try:
                     slot = self.buffers.pack(step, layout, host_ids, rows)
-                with tr.range("copy", bytes=nbytes):
+                finally:
+                    domain.pop_range()
+                domain.push_range(copy_range)
+                try:
                     self._copy(ctx, slot, nbytes, strict, n_tokens, device_ids, embeds, rows)
-                if captured is not None:
-                    with tr.range("replay", bucket=bucket, seqs=n_seqs, tokens=n_tokens):
-                        outputs = self.graphs.replay(captured)
-                else:
-                    with tr.range("eager", seqs=n_seqs, tokens=n_tokens):
-                        outputs = self.model_step(ctx)
+                finally:
+                    domain.pop_range()
+                domain.push_range(run_range)
+                try:
+                    outputs = self.graphs.replay(captured) if captured is not None else self.model_step(ctx)
+                finally:
+                    domain.pop_range()
         self.last = StepInfo("replay" if captured is not None else "eager", bucket, n_seqs, n_tokens, nbytes)
         return outputs
 

@@ -41,8 +41,26 @@ class Tracer:
         if enabled:
             import nvtx
 
-            self._domain = nvtx.get_domain("graphrt")
+            self._domain = self.domain = nvtx.get_domain("graphrt")
             self._ranges: dict[tuple, _Range] = {}
+            self._steps: dict[tuple, tuple] = {}
+
+    def step_ranges(self, bucket, seqs: int, tokens: int, nbytes: int) -> tuple:
+        """The event attributes of a step's three ranges (stage, copy, and replay or eager),
+        built once per (bucket, seqs, tokens, bytes) and looked up with one key after that:
+        the runtime pushes them on ``domain`` itself, so a traced step costs one lookup
+        and three push/pop pairs."""
+        key = (bucket, seqs, tokens, nbytes)
+        r = self._steps.get(key)
+        if r is None:
+            if len(self._steps) >= self._MAX_RANGES:
+                self._steps.clear()
+            attributes = self._domain.get_event_attributes
+            sizes = f"seqs={seqs} tokens={tokens}"
+            run = f"replay bucket={bucket} {sizes}" if bucket is not None else f"eager {sizes}"
+            r = self._steps[key] = (attributes(message=f"stage bucket={bucket} {sizes}"),
+                                    attributes(message=f"copy bytes={nbytes}"), attributes(message=run))
+        return r
 
     def range(self, name: str, **fields):
         """A context manager spanning ``name``, with ``fields`` written into the range's

@@ -138,9 +138,50 @@ def _attend_span(
 
 
 @triton.jit
+def _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_pl, m_row, m_out, num_active,
+                stride_po_split, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """The split-KV merge inside the attention launch: every split of a query tile counts
+    itself in the tile's counter once its partial output and log-sum-exp are stored; the
+    one that counts last merges the tile's partials into ``out`` and sets the counter back
+    to 0 for the next launch. The counter is the launch's (program_id(0), KV head) slot, so
+    no metadata can make two tiles share one; no program waits on another."""
+    # every thread's partial stores come before the count (the barrier), and the count
+    # releases them to the GPU; the merging program's count acquires the others'
+    tl.debug_barrier()
+    p_count = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    done = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(2) - 1:
+        tl.store(p_count, 0)
+        # Online log-sum-exp over the active splits, UNROLL at a time so that their loads
+        # are in flight together (from L2: .cg, not this SM's L1, which did not see the
+        # other programs' stores).
+        UNROLL: tl.constexpr = 4 if BLOCK_M <= 16 else (2 if BLOCK_M <= 32 else 1)
+        m_s = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_s = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        zero_m = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for first in range(0, num_active, UNROLL):
+            for j in tl.static_range(UNROLL):
+                s = first + j
+                m_live = m_row & (s + zero_m < num_active)     # (vector compares: the interpreter
+                lse = tl.load(p_pl + s, mask=m_live, other=float("-inf"), cache_modifier=".cg")
+                b_o = tl.load(p_po + s * stride_po_split, mask=m_out & m_live[:, None], other=0.0,
+                              cache_modifier=".cg")           # takes no scalar in a mask)
+                m_new = tl.maximum(m_s, lse)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no keys in any split so far
+                alpha = tl.exp2(m_s - m_safe)
+                w = tl.exp2(lse - m_safe)
+                acc = acc * alpha[:, None] + b_o * w[:, None]
+                l_s = l_s * alpha + w
+                m_s = m_new
+        b_out = acc / tl.where(l_s > 0.0, l_s, 1.0)[:, None]
+        tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_out)
+
+
+@triton.jit
 def _attend_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+    prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
     i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
@@ -156,11 +197,12 @@ def _attend_tile(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, FUSE_MERGE: tl.constexpr,
 ):
     """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
     sequence over this split's share of its visible key tiles; writes the output, or the
-    partial output and log-sum-exp of its split for ``_merge_kernel``."""
+    partial output and log-sum-exp of its split (for ``_merge_kernel``, or with FUSE_MERGE
+    for the tile's last split to finish, which merges them, see ``_merge_tile``)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
     ctx_len = seq_len - q_len
@@ -216,20 +258,20 @@ def _attend_tile(
     ft_hi = tl.minimum(tl.maximum(tl.minimum(first_pos + 1, seq_len) // BLOCK_N, ft_lo), kt_hi)
     st_lo = kt_lo
     st_hi = kt_hi
+    m_q = m_row
+    per_split = kt_hi - kt_lo
     if SPLIT:        # the split count is the grid's third dimension: one variant serves any
         per_split = tl.cdiv(kt_hi - kt_lo, tl.num_programs(2))
         st_lo = kt_lo + i_split * per_split
         st_hi = tl.minimum(st_lo + per_split, kt_hi)
-        if st_lo >= st_hi:
-            # An idle split (a context shorter than the launch's split count in key tiles):
-            # its log-sum-exp says so, and the merge reads no partial output of it.
-            p_pl = part_lse_ptr + o_row.to(tl.int64) * stride_pl_tok + i_qh * stride_pl_head + i_split
-            tl.store(p_pl, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=m_row)
-            return
+        # An idle split (a context shorter than the launch's split count in key tiles) runs
+        # no key tile and loads no query: its log-sum-exp comes out -inf, which tells the
+        # merge so (the fused merge does not read it at all).
+        m_q = m_row & (st_lo + o_m * 0 < st_hi)    # (a vector compare: the interpreter takes no scalar in a mask)
 
     # [BLOCK_M, HEAD_DIM_PAD]
     p_q = q_ptr + o_row.to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+    b_q = tl.load(p_q, mask=m_q[:, None] & m_d[None, :], other=0.0)
     if KV_FP8:       # K = codes * k_scale: folded into the logit scale; V's scale into the output
         scale_log2e = scale_log2e * tl.load(k_scale_ptr + i_kvh)
         if q_ptr.dtype.element_ty == tl.bfloat16:
@@ -280,6 +322,12 @@ def _attend_tile(
         tl.store(p_po + i_split * stride_po_split, b_o, mask=m_out)
         tl.store(p_pl + i_split, tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")),
                  mask=m_row)
+        if FUSE_MERGE:
+            # Splits that ran key tiles: the first cdiv(kt_hi - kt_lo, per_split) (none
+            # when the tile sees no key).
+            num_active = tl.where(kt_hi > kt_lo, tl.cdiv(kt_hi - kt_lo, tl.maximum(per_split, 1)), 0)
+            _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_pl, m_row, m_out,
+                        num_active, stride_po_split, BLOCK_M, HEAD_DIM_PAD)
 
 
 # Sizes and strides that differ between buckets without changing the code worth having:
@@ -294,7 +342,7 @@ _PER_BUCKET = ["max_num_seqs", "num_q_rows", "stride_bt_blk", "stride_po_tok", "
 @triton.jit(do_not_specialize=_PER_BUCKET)
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr, k_scale_ptr, v_scale_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -311,7 +359,7 @@ def _attn_kernel(
     SHORT_Q: tl.constexpr, SHORT_BLOCK_N: tl.constexpr,
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, FUSE_MERGE: tl.constexpr,
     DECODE_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
@@ -382,25 +430,25 @@ def _attn_kernel(
         # tokens and longer key tiles, so it costs what it would in a decode launch.
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-            prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+            prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
             i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, SHORT_Q, SHORT_BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, FUSE_MERGE)
     else:
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-            prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+            prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
             i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, FUSE_MERGE)
 
 
 @triton.jit

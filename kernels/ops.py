@@ -33,23 +33,23 @@ def _(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     return None
 
 
-@torch.library.custom_op("graphrt::paged_attention", mutates_args=("out", "part_o", "part_lse"))
+@torch.library.custom_op("graphrt::paged_attention", mutates_args=("out", "part_o", "part_lse", "counters"))
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                     prefix_ranges: torch.Tensor, slot_mapping: torch.Tensor, part_o: torch.Tensor,
-                    part_lse: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None,
+                    part_lse: torch.Tensor, counters: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None,
                     window_rule: str = "clip", ranges: bool = True, softcap: Optional[float] = None,
                     num_splits: int = 1,
                     max_query_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
                     v_scale: Optional[torch.Tensor] = None) -> None:
     """``graphrt.kernels.paged_attention`` with the metadata's tensors spelled out and the
-    split workspace as two tensors (empty ones: no workspace); writes ``out`` ([T, Hq, D])
-    in place. The workspace is two required positional tensors, not Optional ones with
+    split workspace as its three tensors (empty ones: no workspace); writes ``out`` ([T, Hq, D])
+    in place. The workspace is three required positional tensors, not Optional ones with
     defaults: torch 2.11 raises IndexError for a mutated argument passed by keyword or left
     to its default (pytorch/pytorch#176078)."""
     meta = AttentionMetadata(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                              prefix_ranges=prefix_ranges, slot_mapping=slot_mapping)
-    workspace = None if part_o.numel() == 0 or part_lse.numel() == 0 else (part_o, part_lse)
+    workspace = None if part_o.numel() == 0 or part_lse.numel() == 0 else (part_o, part_lse, counters)
     _paged_attention(q, k_cache, v_cache, out, meta, scale=scale, window=window, window_rule=window_rule,
                      ranges=ranges, softcap=softcap, num_splits=num_splits, workspace=workspace,
                      max_query_len=max_query_len, k_scale=k_scale, v_scale=v_scale)
@@ -57,17 +57,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, prefix_ranges, slot_mapping, part_o,
-      part_lse, scale=None, window=None, window_rule="clip", ranges=True, softcap=None, num_splits=1,
+      part_lse, counters, scale=None, window=None, window_rule="clip", ranges=True, softcap=None, num_splits=1,
       max_query_len=None, k_scale=None, v_scale=None) -> None:
     return None
 
 
 def attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                 meta: AttentionMetadata, *, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 meta: AttentionMetadata, *, workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  **opts) -> torch.Tensor:
     """``paged_attention`` through the custom op, taking an AttentionMetadata; returns out."""
-    if workspace is None:               # two distinct empty tensors: mutated arguments must not alias
-        workspace = (q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32))
+    if workspace is None:               # distinct empty tensors: mutated arguments must not alias
+        workspace = (q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32),
+                     q.new_empty(0, dtype=torch.int32))
+    if len(workspace) != 3:
+        raise ValueError("workspace must be split_workspace(...)'s three tensors (part_o, part_lse, counters)")
     torch.ops.graphrt.paged_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
                                       meta.block_table, meta.prefix_ranges, meta.slot_mapping, *workspace, **opts)
     return out

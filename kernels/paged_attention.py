@@ -23,11 +23,13 @@ the window) skip the mask; only the tiles at the edges build it.
 
 Split-KV (flash-decoding): with SPLIT each tile's visible key span is cut on the device
 into as many equal runs of key tiles as the grid's third dimension has programs; each split
-writes a partial output and its log-sum-exp, and ``_merge_kernel`` combines them. The split
-count is fixed at launch, the split lengths follow each step's contexts on the device. The
-count is not a compile-time constant of the attention kernel, so the decode buckets'
-split factors (1 to 64) share two variants of it (split or not), which keeps capture's
-compiles down (the merge kernel, small and quick to compile, keeps one per factor).
+writes a partial output and its log-sum-exp. The split of a tile that finishes last (a
+counter per tile in the workspace, which that split resets) merges them into ``out`` in
+the same launch; ``KernelConfig(fuse_merge=False)`` leaves that to a second launch,
+``_merge_kernel``. The split count is fixed at launch, the split lengths follow each step's
+contexts on the device. The count is not a compile-time constant of the attention kernel,
+so the decode buckets' split factors (1 to 64) share two variants of it (split or not),
+which keeps capture's compiles down.
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ class KernelConfig:
     # H200 it saved 0.3 us of a 10 us decode launch among launches of its own and cost
     # 1-1.5 us of a layer-like graph (benchmarks/sweep_decode.py).
     pdl: bool | None = None
+    # Split-KV launches: the tile's last split to finish merges the partials in the same
+    # launch (a counter per tile in the workspace) instead of a second launch,
+    # ``_merge_kernel``. Needs the workspace's counters (``split_workspace`` makes them).
+    fuse_merge: bool = True
 
 
 # (head_dim <= 128, element bytes) -> (decode config (block_n, warps, stages), mixed
@@ -140,11 +146,17 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) 
 
 
 def split_workspace(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
-                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial outputs [T, Hq, splits, D] and log-sum-exps [T, Hq, splits], float32."""
+                    device: torch.device | str, *, max_num_seqs: int | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partial outputs [T, Hq, splits, D] and log-sum-exps [T, Hq, splits], float32, and
+    the fused merge's tile counters: int32 zeros, one per (query tile, KV head) of any
+    launch of T token slots and at most ``max_num_seqs`` (default T) sequences. The
+    counters must be zero before a launch; each launch leaves them so."""
     part_o = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
     part_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
-    return part_o, part_lse
+    seqs = num_tokens if max_num_seqs is None else max_num_seqs
+    counters = torch.zeros((num_tokens + seqs) * num_q_heads, dtype=torch.int32, device=device)
+    return part_o, part_lse, counters
 
 
 def _is_real(x: object) -> bool:
@@ -174,7 +186,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
              global layers of some models use).
     softcap: ``softcap * tanh(logit / softcap)`` when set, in [1e-6, 1e6].
     num_splits: split-KV factor (1 = off). workspace: ``split_workspace(...)`` buffers, made
-             here when None (pass them when capturing, so the graph owns fixed buffers).
+             here when None (pass them when capturing, so the graph owns fixed buffers);
+             (part_o, part_lse) without counters only with ``config.fuse_merge=False``.
     max_query_len: a capacity hint (1 for decode-only launches) that picks the tile shape.
     """
     check_tensor("meta", meta.seq_lens, dim=1, dtypes=(torch.int32,))
@@ -226,10 +239,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     max_num_seqs = meta.max_num_seqs
     num_tiles = num_tokens // cfg.block_q + max_num_seqs
+    fuse_merge = num_splits > 1 and cfg.fuse_merge
+    counters = out                    # unused by the kernel without FUSE_MERGE
     if num_splits > 1:
         if workspace is None:
-            workspace = split_workspace(num_tokens, num_q_heads, head_dim, num_splits, device)
-        part_o, part_lse = workspace
+            workspace = split_workspace(num_tokens, num_q_heads, head_dim, num_splits, device,
+                                        max_num_seqs=max_num_seqs)
+        if not isinstance(workspace, (tuple, list)) or len(workspace) not in (2, 3):
+            raise TypeError("workspace must be the tuple split_workspace(...) returns (part_o, part_lse, counters)")
+        part_o, part_lse = workspace[:2]
+        if fuse_merge:
+            if len(workspace) != 3:
+                raise ValueError("workspace has no counters for the fused merge: pass all of split_workspace(...), "
+                                 "or a config with fuse_merge=False")
+            counters = workspace[2]
+            check_tensor("workspace[2]", counters, dim=1, dtypes=(torch.int32,), device=device)
+            if counters.numel() < num_tiles * num_kv_heads or counters.stride(0) != 1:
+                raise ValueError(f"workspace[2] (counters) must be contiguous with >= {num_tiles * num_kv_heads} "
+                                 f"elements ((tokens // block_q + max_num_seqs) x KV heads), got "
+                                 f"{counters.numel()}")
         check_tensor("workspace[0]", part_o, dim=4, dtypes=(torch.float32,), device=device)
         check_tensor("workspace[1]", part_lse, dim=3, dtypes=(torch.float32,), device=device)
         if part_o.shape[0] < num_tokens or tuple(part_o.shape[1:]) != (num_q_heads, num_splits, head_dim):
@@ -248,7 +276,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,
-        k_scale if fp8 else out, v_scale if fp8 else out,
+        k_scale if fp8 else out, v_scale if fp8 else out, counters,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -266,10 +294,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_SOFTCAP=softcap is not None,
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
         SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
-        KV_FP8=fp8, DECODE_MAP=max_query_len == 1, PDL=pdl,
+        KV_FP8=fp8, FUSE_MERGE=fuse_merge, DECODE_MAP=max_query_len == 1, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fuse_merge:
         _merge_kernel[(num_tokens, num_q_heads)](
             out, part_o, part_lse, meta.query_start_loc,
             out.stride(0), out.stride(1),

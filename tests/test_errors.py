@@ -69,11 +69,22 @@ def _call(setup, **change):
     (lambda s: dict(num_splits=True), ValueError, r"^num_splits must be an int in \[1, 64\]"),
     (lambda s: dict(num_splits=2, workspace=split_workspace(6, 4, 64, 3, s["q"].device)), ValueError,
      r"^workspace\[0\] must be"),
+    (lambda s: dict(num_splits=2, workspace=split_workspace(6, 4, 64, 2, s["q"].device)[:2]), ValueError,
+     r"^workspace has no counters for the fused merge"),
+    (lambda s: dict(num_splits=2, workspace=(*split_workspace(6, 4, 64, 2, s["q"].device)[:2],
+                                             torch.zeros(3, dtype=torch.int32, device=s["q"].device))), ValueError,
+     r"^workspace\[2\] \(counters\) must be contiguous with >= \d+ elements"),
+    (lambda s: dict(num_splits=2, workspace=(*split_workspace(6, 4, 64, 2, s["q"].device)[:2],
+                                             torch.zeros(99, device=s["q"].device))), TypeError,
+     r"^workspace\[2\] must have dtype in \['torch.int32'\]"),
+    (lambda s: dict(num_splits=2, workspace=split_workspace(6, 4, 64, 2, s["q"].device)[0]), TypeError,
+     r"^workspace must be the tuple split_workspace"),
 ], ids=["q-int", "cache-dtype", "out-dtype", "q-fp16-caches-fp32", "q-dims", "v-shape", "out-shape", "q-strided",
         "heads", "head-dim", "q-rows-over-capacity", "q-rows-under-capacity", "head-dim-8", "head-dim-320", "cache-no-blocks",
         "window-rule", "ranges-int", "window-0", "window-float", "window-bool", "softcap-0", "softcap-inf",
         "softcap-nan", "softcap-bool", "scale-nan", "scale-inf", "scale-negative", "scale-tiny", "softcap-1e30", "splits-0", "splits-bool",
-        "workspace"])
+        "workspace", "workspace-no-counters", "workspace-counters-short", "workspace-counters-float",
+        "workspace-not-a-tuple"])
 def test_paged_attention_rejects(setup, change, err, match):
     out_before = setup["out"].clone()
     with pytest.raises(err, match=match):

@@ -12,6 +12,7 @@ bit-for-bit unchanged; on the GPU, ``compute-sanitizer`` checks the same tests
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from _cases import TOL, Seq, assert_close, build_meta, fresh_seed, rngs
 from graphrt import Runtime, RuntimeConfig, SeqStep, Step
-from graphrt.kernels import AttentionMetadata, paged_attention, reference, split_workspace, write_kv
+from graphrt.kernels import AttentionMetadata, default_config, paged_attention, reference, split_workspace, write_kv
 
 GUARD = 3          # rows (or cache blocks) of guard band on each side
 SENTINEL = 7.25    # what the bands hold
@@ -34,7 +35,26 @@ def banded(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def assert_bands(name: str, whole: torch.Tensor) -> None:
     bands = torch.cat([whole[:GUARD].flatten(), whole[-GUARD:].flatten()])
-    assert bool((bands == SENTINEL).all()), f"{name}: a write landed outside the tensor (in its guard band)"
+    sentinel = torch.full((), SENTINEL, dtype=whole.dtype)        # (7 in an int tensor)
+    assert bool((bands == sentinel.to(bands.device)).all()), f"{name}: a write landed outside the tensor (in its guard band)"
+
+
+def banded_workspace(num_tokens: int, num_q_heads: int, splits: int, head_dim: int, num_seqs: int, device):
+    """split_workspace's three tensors as banded views (the counters zero inside their
+    bands), and the three whole tensors."""
+    po_whole, part_o = banded((num_tokens, num_q_heads, splits, head_dim), torch.float32, device)
+    pl_whole, part_lse = banded((num_tokens, num_q_heads, splits), torch.float32, device)
+    ct_whole, counters = banded(((num_tokens + num_seqs) * num_q_heads,), torch.int32, device)
+    counters.zero_()
+    return (po_whole, pl_whole, ct_whole), (part_o, part_lse, counters)
+
+
+def assert_workspace(wholes, workspace) -> None:
+    """Bands intact, and the counters back at zero (a launch leaves them so, whatever its
+    metadata: the next launch's merges depend on it)."""
+    for i, whole in enumerate(wholes):
+        assert_bands(f"workspace[{i}]", whole)
+    assert int(workspace[2].count_nonzero()) == 0, "workspace[2]: the launch left a tile counter set"
 
 
 @pytest.mark.parametrize("splits", [1, 2])
@@ -53,16 +73,13 @@ def test_metadata_with_more_tokens_than_q_rows(splits, device):
     out_whole, out = banded((5, 4, 32), torch.float32, device)
     workspace = None
     if splits > 1:
-        po_whole, part_o = banded((5, 4, splits, 32), torch.float32, device)
-        pl_whole, part_lse = banded((5, 4, splits), torch.float32, device)
-        workspace = (part_o, part_lse)
+        wholes, workspace = banded_workspace(5, 4, splits, 32, 2, device)
 
     paged_attention(q21[:5].clone(), k_cache, v_cache, out, meta, num_splits=splits, workspace=workspace)
 
     assert_bands("out", out_whole)
     if splits > 1:
-        assert_bands("workspace[0]", po_whole)
-        assert_bands("workspace[1]", pl_whole)
+        assert_workspace(wholes, workspace)
     ref = reference.paged_attention(q21, k_cache, v_cache, full)
     assert_close("out", out, ref[:5], *TOL[torch.float32], seed)
 
@@ -102,9 +119,9 @@ ANY64 = st.one_of(st.integers(-4, 300), st.sampled_from([-1, 2 ** 62, -(2 ** 62)
        max_ranges=st.integers(0, 2), splits=st.sampled_from([1, 1, 2]),
        window=st.sampled_from([None, 1, 5, 2 ** 40]),
        window_rule=st.sampled_from(["clip", "two_sided", "ranges_unclipped"]), ranges=st.booleans(),
-       softcap=st.sampled_from([None, 3.0]), max_query_len=st.sampled_from([None, 1]))
+       softcap=st.sampled_from([None, 3.0]), max_query_len=st.sampled_from([None, 1]), fuse_merge=st.booleans())
 def test_garbage_metadata_stays_inside(data, num_seqs, num_tokens, max_blocks, max_ranges, splits, window,
-                                       window_rule, ranges, softcap, max_query_len, device):
+                                       window_rule, ranges, softcap, max_query_len, fuse_merge, device):
     """Arbitrary metadata values (negative, huge, unsorted, out of range): write_kv and
     paged_attention return, and write nothing outside the caches, out and the workspace.
     What they compute from such input is unspecified."""
@@ -132,23 +149,25 @@ def test_garbage_metadata_stays_inside(data, num_seqs, num_tokens, max_blocks, m
     k_new = torch.randn(num_tokens, 1, 16).to(device)
     workspace = None
     if splits > 1:
-        po_whole, part_o = banded((num_tokens, 2, splits, 16), torch.float32, device)
-        pl_whole, part_lse = banded((num_tokens, 2, splits), torch.float32, device)
-        workspace = (part_o, part_lse)
+        wholes, workspace = banded_workspace(num_tokens, 2, splits, 16, num_seqs, device)
+        if not fuse_merge:
+            workspace = workspace[:2]
 
     write_kv(k_new, k_new, k_cache, v_cache, meta)
     paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, workspace=workspace, window=window,
-                    window_rule=window_rule, ranges=ranges, softcap=softcap, max_query_len=max_query_len)
+                    window_rule=window_rule, ranges=ranges, softcap=softcap, max_query_len=max_query_len,
+                    config=None if fuse_merge else replace(default_config(16, torch.float32, 2,
+                                                                          max_query_len=max_query_len),
+                                                           fuse_merge=False))
 
     if device.type == "cuda":
         torch.cuda.synchronize()
     for name, whole in (("k_cache", k_whole), ("v_cache", v_whole), ("out", out_whole)):
         assert_bands(name, whole)
     if splits > 1:
-        assert_bands("workspace[0]", po_whole)
-        assert_bands("workspace[1]", pl_whole)
+        assert_workspace(wholes, workspace if fuse_merge else (*workspace, wholes[2][GUARD:-GUARD]))
     # (with splits, out itself may be NaN: the merge of splits that all saw no key)
-    read = out if splits == 1 else part_o
+    read = out if splits == 1 else workspace[0]
     assert not bool(read.isnan().any()), "a block id from past the block table was read (poison block)"
 
 
@@ -253,7 +272,7 @@ def test_custom_ops_check_like_the_launchers(device):
     with pytest.raises(ValueError, match=r"^q has 4 rows, the metadata 5 token slots"):
         torch.ops.graphrt.paged_attention(q[:4], cache, cache, q[:4].clone(), meta.query_start_loc, meta.seq_lens,
                                           meta.block_table, meta.prefix_ranges, meta.slot_mapping,
-                                          q.new_empty(0), q.new_empty(0))
+                                          q.new_empty(0), q.new_empty(0), q.new_empty(0, dtype=torch.int32))
     k_whole, k_cache = banded((4, 16, 2, 32), torch.float32, device)
     v_whole, v_cache = banded((4, 16, 2, 32), torch.float32, device)
     k = torch.randn(2, 2, 32, device=device)

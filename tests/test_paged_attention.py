@@ -83,6 +83,11 @@ CASES = [
     Case("split-clip-ranges", (S(1, 90, ((10, 80),)), S(17, 17, ((0, 34),))), splits=2, window=12),
     Case("split-two-sided-ranges", (S(1, 90, ((10, 80),)), S(17, 17, ((0, 34),))), splits=2, window=12,
          window_rule="two_sided"),
+    # the merge as a second launch (KernelConfig.fuse_merge=False)
+    Case("split-decode-merge-launch", (S(1, 200, ((3, 100),)), S(1, 5), S(1, 130), S(1, 0)), splits=5,
+         max_query_len=1, config=KernelConfig(block_q=4, block_n=32, fuse_merge=False)),
+    Case("split-mixed-merge-launch", (S(1, 150), S(24, 40, ((30, 60),))), splits=3, window=32,
+         config=KernelConfig(block_q=8, block_n=16, short_block_n=32, fuse_merge=False)),
     # Small key tiles so that a window leaves tiles every row sees in full (the unmasked
     # path) between masked ones; large tiles as the GPU's prefill table uses.
     Case("full-tiles-window-unclipped", FULL_TILES, window=43, window_rule="ranges_unclipped",
@@ -170,9 +175,11 @@ def refill(fixed: dict[str, torch.Tensor], new) -> None:
         t.zero_()[tuple(slice(0, n) for n in src.shape)].copy_(src)
 
 
-def test_same_launch_serves_changing_steps(device):
+@pytest.mark.parametrize("fuse_merge", [True, False])
+def test_same_launch_serves_changing_steps(fuse_merge, device):
     """One set of launch arguments (as a captured graph would hold) over metadata that
-    changes in place between calls, short and long contexts alike, with splits."""
+    changes in place between calls, short and long contexts alike, with splits; the fused
+    merge's counters are back at zero after each call."""
     seed = fresh_seed()
     rng, gen = rngs(seed)
     num_blocks, num_seqs, num_tokens = 40, 4, 24
@@ -185,14 +192,16 @@ def test_same_launch_serves_changing_steps(device):
     fixed = {name: getattr(first, name).clone() for name in first.__dataclass_fields__}
     meta = type(first)(**fixed)
     out = torch.empty_like(q)
-    workspace = split_workspace(num_tokens, 4, 64, 3, device)
-    workspace[0].fill_(float("nan"))   # idle splits write no partial output: the merge must not read one
+    workspace = split_workspace(num_tokens, 4, 64, 3, device, max_num_seqs=num_seqs)
+    workspace[0].fill_(float("nan"))   # the merge weighs only the partials of splits that ran
+    config = dataclasses.replace(default_config(64, torch.float32, 4, num_tokens=num_tokens), fuse_merge=fuse_merge)
     for seqs in steps:
         new, _ = build_meta(seqs, block_size=16, num_blocks=num_blocks, max_ranges=2, rng=rng, device=device,
                             num_seqs=num_seqs, num_tokens=num_tokens)
         refill(fixed, new)
         out.fill_(float("nan"))
-        paged_attention(q, k_cache, v_cache, out, meta, num_splits=3, workspace=workspace)
+        paged_attention(q, k_cache, v_cache, out, meta, num_splits=3, workspace=workspace, config=config)
+        assert int(workspace[2].count_nonzero()) == 0, f"a tile counter was left set (seed={seed})"
         total = sum(s.q_len for s in seqs)
         assert_close(f"out[{len(seqs)} seqs]", out[:total], reference.paged_attention(q, k_cache, v_cache, meta),
                      *TOL[torch.float32], seed)
@@ -210,7 +219,8 @@ def test_random_tile_shapes(device):
         qpk_pad = 1 << (hq // hkv - 1).bit_length()
         block_q = max(16 // qpk_pad, 1) * int(rng.choice([1, 2, 4]))
         config = KernelConfig(block_q=block_q, block_n=int(rng.choice([16, 32, 64])),
-                              short_block_n=int(rng.choice([16, 32, 64])) if rng.random() < 0.7 else None)
+                              short_block_n=int(rng.choice([16, 32, 64])) if rng.random() < 0.7 else None,
+                              fuse_merge=bool(rng.random() < 0.7))
         opts = dict(window=int(rng.integers(5, 80)) if rng.random() < 0.6 else None,
                     window_rule=str(rng.choice(["clip", "two_sided", "ranges_unclipped"])),
                     ranges=bool(rng.random() < 0.8),
@@ -286,3 +296,52 @@ def test_programmatic_dependent_launches_in_a_graph(monkeypatch):
         assert torch.equal(k_ref.view(-1, hkv, d)[slots], kv_in), f"KV write missed (seed={seed})"
         ref = reference.paged_attention(q_in, k_ref, v_ref, meta)
         assert_close(f"out[{len(seqs)} seqs, pdl]", out, ref, *TOL[torch.float16], seed)
+
+
+@pytest.mark.gpu
+def test_fused_merge_over_many_replays():
+    """The split-KV merge done by each tile's last split (a counter per tile, reset by that
+    split) on the GPU, where the splits of a tile finish in any order and on any SM: a
+    captured decode launch of 48 sequences x 32 splits, replayed over new contexts (from
+    idle splits to all 32 busy) and new queries, gives the reference result every time and
+    leaves every counter at zero."""
+    device = torch.device("cuda")
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    num_seqs, hq, hkv, d, splits = 48, 8, 2, 64, 32
+    num_blocks = num_seqs * 130 + 8
+    k_cache = torch.randn(num_blocks, 16, hkv, d, generator=gen).to(device, torch.float16)
+    v_cache = torch.randn(num_blocks, 16, hkv, d, generator=gen).to(device, torch.float16)
+
+    def draw():
+        return [S(1, int(rng.integers(0, 2000))) for _ in range(num_seqs)]
+
+    first, _ = build_meta(draw(), block_size=16, num_blocks=num_blocks, max_ranges=1, rng=rng, device=device,
+                          num_seqs=num_seqs, num_tokens=num_seqs)
+    fixed = {name: getattr(first, name).clone() for name in first.__dataclass_fields__}
+    meta = type(first)(**fixed)
+    q_in = torch.randn(num_seqs, hq, d, generator=gen).to(device, torch.float16)
+    q, out = torch.empty_like(q_in), torch.empty_like(q_in)
+    workspace = split_workspace(num_seqs, hq, d, splits, device)
+
+    def run():
+        q.copy_(q_in)
+        paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, workspace=workspace, max_query_len=1)
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for i in range(12):
+        new, _ = build_meta(draw(), block_size=16, num_blocks=num_blocks, max_ranges=1, rng=rng, device=device,
+                            num_seqs=num_seqs, num_tokens=num_seqs)
+        refill(fixed, new)
+        q_in.copy_(torch.randn(q_in.shape, generator=gen).to(device, torch.float16))
+        out.fill_(float("nan"))
+        for _ in range(3):                  # back to back: the counters must be reset between launches
+            graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.paged_attention(q_in, k_cache, v_cache, meta)
+        assert_close(f"out[replay {i}]", out, ref, *TOL[torch.float16], seed)
+        assert int(workspace[2].count_nonzero()) == 0, f"a tile counter was left set (seed={seed})"

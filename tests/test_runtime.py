@@ -157,9 +157,21 @@ def test_nvtx_ranges_emitted(monkeypatch, device):
     names = [m.split()[0] for _, m in seen]
     assert names == ["stage", "copy", "eager"] * 2 and {d for d, _ in seen} == {"graphrt"} and stack == []
     assert "seqs=1" in seen[0][1] and "tokens=2" in seen[0][1]
-    assert len(rt.tracer._ranges) == 3
+    assert seen[1][1].startswith("copy bytes=") and seen[2][1] == "eager seqs=1 tokens=2"
+    assert len(rt.tracer._steps) == 1
     rt.step(Step([SeqStep(q_len=3, context_len=0, block_ids=[3])]), [1, 2, 3])
-    assert "tokens=3" in seen[-3][1] and len(rt.tracer._ranges) == 6
+    assert "tokens=3" in seen[-3][1] and len(rt.tracer._steps) == 2 and stack == []
+    with pytest.raises(ValueError):            # refused before anything is pushed
+        rt.step(Step([SeqStep(q_len=3, context_len=0, block_ids=[3])]), [1, 2])
+    assert stack == [] and len(seen) == 9
+
+    def failing_step(ctx):
+        raise RuntimeError("model step failed")
+
+    rt.model_step = failing_step             # a range is popped however its stage ends
+    with pytest.raises(RuntimeError, match="model step failed"):
+        rt.step(Step([SeqStep(q_len=3, context_len=0, block_ids=[3])]), [1, 2, 3])
+    assert stack == [] and [m.split()[0] for _, m in seen[-3:]] == ["stage", "copy", "eager"]
 
 
 # ----------------------------------------------------------------------------- GPU
