@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--splits", type=int, default=1)
     parser.add_argument("--merge-launch", action="store_true", help="with --splits, the merge as a second launch "
                         "(KernelConfig.fuse_merge=False)")
+    parser.add_argument("--merge-rows", type=int, default=64, help="the fused merge's rows per round of loads")
     parser.add_argument("--mixed", action="store_true", help="a mixed launch's program mapping (a search per program)")
     parser.add_argument("--pdl", action="store_true", help="launched as a programmatic dependent")
     parser.add_argument("--warps", type=int, default=4)
@@ -60,14 +61,15 @@ def main() -> None:
                      BLOCK_N=args.block_n, SHORT_Q=args.short_q, SHORT_BLOCK_N=args.short_block_n, MAX_RANGES=8,
                      USE_WINDOW=args.window, WINDOW_RULE=0, USE_RANGES=True, USE_SOFTCAP=False,
                      SPLIT=args.splits > 1, NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8,
-                     FUSE_MERGE=args.splits > 1 and not args.merge_launch, DECODE_MAP=not args.mixed, PDL=args.pdl)
+                     FUSE_MERGE=args.splits > 1 and not args.merge_launch,
+                     MERGE_ROWS=args.merge_rows, DECODE_MAP=not args.mixed, PDL=args.pdl)
         # the values the runtime passes for a 256-sequence decode bucket (what Triton
         # specialises on: == 1, divisible by 16)
         ints = dict(stride_q_tok=4096, stride_q_head=128, stride_k_blk=16384, stride_k_tok=1024, stride_k_head=128,
                     stride_v_blk=16384, stride_v_tok=1024, stride_v_head=128, stride_o_tok=4096, stride_o_head=128,
                     stride_bt_seq=1, stride_bt_blk=args.seqs, stride_po_tok=4096, stride_po_head=128, stride_po_split=0,
                     stride_pl_tok=4096, stride_pl_head=128, window=32, max_num_seqs=args.seqs, num_q_rows=args.seqs,
-                    num_blocks=18432, max_blocks_per_seq=68)
+                    num_blocks=18432, max_blocks_per_seq=68, merge_now=0 if args.merge_launch else 1)
         fixed = {n for i, n in enumerate(names) if i in fn.do_not_specialize or n in fn.do_not_specialize}
         signature, attrs = {}, {}
         for i, n in enumerate(names):

@@ -13,7 +13,8 @@ Variants (bf16 cache, 32/8 heads, head_dim 128, KV block 16, random block placem
     map s3         ... with 3 pipeline stages instead of 2
     map xN         ... with N splits instead of ``decode_splits``' pick
     ... launch     ... with the split-KV merge as a second launch (``fuse_merge=False``)
-                   instead of inside the attention launch
+    ... fused      ... with the merge inside the attention launch (``fuse_merge=True``)
+    ... uN         ... its partials loaded N splits at a time (default 4 for 16-row tiles)
 
 and a layer-like graph, ``layer``: a torch kernel (standing for the projections), the KV
 write, then attention (+ merge), per call, with PDL off and on. Writes
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 from pathlib import Path
 
@@ -38,6 +40,7 @@ SHAPES = [(1, 1024), (1, 8192), (1, 32768), (8, 1024), (8, 8192), (64, 8192)]
 def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = False) -> tuple[float, int]:
     """(ms per call, splits) of one variant at (batch, context)."""
     from graphrt.kernels import decode_splits, default_config, paged_attention, split_workspace, write_kv
+    pa = importlib.import_module("graphrt.kernels.paged_attention")
 
     meta, nblk = make_meta([1] * batch, [ctx - 1] * batch, [[]] * batch)
     cfg = default_config(D, DT, HQ // HKV, max_query_len=1)
@@ -46,11 +49,16 @@ def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = F
     words = variant.split()
     pdl = words[0] in ("pdl", "layer-pdl")
     cfg = dataclasses.replace(cfg, pdl=pdl)
+    merge_rows = pa._MERGE_ROWS
     if words[0] == "search":
         max_query_len = None
     for w in words[1:]:
         if w == "launch":
             cfg = dataclasses.replace(cfg, fuse_merge=False)
+        elif w == "fused":
+            cfg = dataclasses.replace(cfg, fuse_merge=True)
+        elif w.startswith("u"):
+            merge_rows = 16 * int(w[1:])
         elif w.startswith("n"):
             cfg = dataclasses.replace(cfg, block_n=int(w[1:]))
         elif w.startswith("s"):
@@ -76,9 +84,11 @@ def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = F
 
     previous = os.environ.get("GRAPHRT_PDL")
     os.environ["GRAPHRT_PDL"] = "1" if pdl else "0"
+    rows_before, pa._MERGE_ROWS = pa._MERGE_ROWS, merge_rows
     try:
         return time_ms(run, iters=iters) / calls, splits
     finally:
+        pa._MERGE_ROWS = rows_before
         if previous is None:
             del os.environ["GRAPHRT_PDL"]
         else:
@@ -95,13 +105,13 @@ def main() -> None:
     env = ceilings(quick)
     rows = []
     for batch, ctx in shapes:
-        variants = ["map", "map launch", "pdl", "map n64", "map n64 launch"]
+        variants = ["map", "map launch", "map fused", "map fused u8", "map fused u2"]
         if batch == 1:
-            variants += ["map x8", "map x8 launch", "map x16"]
+            variants += ["map x4", "map x4 launch", "map x8", "map x8 launch", "map x8 fused u8"]
         if batch == 8:
-            variants += ["map x8", "map x16"]
+            variants += ["map x2", "map x2 launch", "map x8 fused"]
         cells = [(v, False) for v in variants] + [("layer-off", True), ("layer-off launch", True),
-                                                  ("layer-pdl", True)]
+                                                  ("layer-off fused", True)]
         for name, layer in cells:
             ms, splits = launch_ms(batch, ctx, name, iters=iters, layer=layer)
             tbps = kv_bytes(batch, ctx) / ms / 1e9

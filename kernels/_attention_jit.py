@@ -139,7 +139,7 @@ def _attend_span(
 
 @triton.jit
 def _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_pl, m_row, m_out, num_active,
-                stride_po_split, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+                stride_po_split, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr):
     """The split-KV merge inside the attention launch: every split of a query tile counts
     itself in the tile's counter once its partial output and log-sum-exp are stored; the
     one that counts last merges the tile's partials into ``out`` and sets the counter back
@@ -155,7 +155,7 @@ def _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_p
         # Online log-sum-exp over the active splits, UNROLL at a time so that their loads
         # are in flight together (from L2: .cg, not this SM's L1, which did not see the
         # other programs' stores).
-        UNROLL: tl.constexpr = 4 if BLOCK_M <= 16 else (2 if BLOCK_M <= 32 else 1)
+        UNROLL: tl.constexpr = MERGE_ROWS // BLOCK_M if BLOCK_M < MERGE_ROWS else 1
         m_s = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_s = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -182,7 +182,7 @@ def _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_p
 def _attend_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-    i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
+    i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -198,6 +198,7 @@ def _attend_tile(
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, FUSE_MERGE: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
 ):
     """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
     sequence over this split's share of its visible key tiles; writes the output, or the
@@ -322,21 +323,23 @@ def _attend_tile(
         tl.store(p_po + i_split * stride_po_split, b_o, mask=m_out)
         tl.store(p_pl + i_split, tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")),
                  mask=m_row)
-        if FUSE_MERGE:
+        if FUSE_MERGE and merge_now != 0:
             # Splits that ran key tiles: the first cdiv(kt_hi - kt_lo, per_split) (none
             # when the tile sees no key).
             num_active = tl.where(kt_hi > kt_lo, tl.cdiv(kt_hi - kt_lo, tl.maximum(per_split, 1)), 0)
             _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_pl, m_row, m_out,
-                        num_active, stride_po_split, BLOCK_M, HEAD_DIM_PAD)
+                        num_active, stride_po_split, BLOCK_M, HEAD_DIM_PAD, MERGE_ROWS)
 
 
 # Sizes and strides that differ between buckets without changing the code worth having:
 # not specialised (Triton would compile one variant for == 1, one for multiples of 16 and
 # one for the rest), so that capture compiles fewer variants.
 # (The block table is column-major in the runtime: its column stride is the bucket's
-# sequence count.)
+# sequence count.) ``merge_now``: whether a split launch with FUSE_MERGE merges in place
+# (0: a second launch merges), so that buckets on either side of the split limit share a
+# variant.
 _PER_BUCKET = ["max_num_seqs", "num_q_rows", "stride_bt_blk", "stride_po_tok", "stride_po_head", "stride_po_split",
-               "stride_pl_tok", "stride_pl_head"]
+               "stride_pl_tok", "stride_pl_head", "merge_now"]
 
 
 @triton.jit(do_not_specialize=_PER_BUCKET)
@@ -351,7 +354,7 @@ def _attn_kernel(
     stride_po_tok, stride_po_head, stride_po_split,
     stride_pl_tok, stride_pl_head,
     scale_log2e, softcap, window,
-    max_num_seqs, num_q_rows, num_blocks, max_blocks_per_seq,
+    max_num_seqs, num_q_rows, num_blocks, max_blocks_per_seq, merge_now,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     QPK: tl.constexpr, QPK_PAD: tl.constexpr,
@@ -360,7 +363,7 @@ def _attn_kernel(
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, FUSE_MERGE: tl.constexpr,
-    DECODE_MAP: tl.constexpr, PDL: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, DECODE_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         # launched as a programmatic dependent of the kernel before it: wait for that one
@@ -431,24 +434,24 @@ def _attn_kernel(
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-            i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
+            i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, SHORT_Q, SHORT_BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, FUSE_MERGE)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, FUSE_MERGE, MERGE_ROWS)
     else:
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-            i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk,
+            i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, FUSE_MERGE)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, FUSE_MERGE, MERGE_ROWS)
 
 
 @triton.jit

@@ -25,8 +25,8 @@ Split-KV (flash-decoding): with SPLIT each tile's visible key span is cut on the
 into as many equal runs of key tiles as the grid's third dimension has programs; each split
 writes a partial output and its log-sum-exp. The split of a tile that finishes last (a
 counter per tile in the workspace, which that split resets) merges them into ``out`` in
-the same launch; ``KernelConfig(fuse_merge=False)`` leaves that to a second launch,
-``_merge_kernel``. The split count is fixed at launch, the split lengths follow each step's
+the same launch (for at most FUSED_MERGE_MAX_SPLITS splits unless ``KernelConfig.fuse_merge``
+says otherwise); or a second launch, ``_merge_kernel``, does. The split count is fixed at launch, the split lengths follow each step's
 contexts on the device. The count is not a compile-time constant of the attention kernel,
 so the decode buckets' split factors (1 to 64) share two variants of it (split or not),
 which keeps capture's compiles down.
@@ -87,10 +87,14 @@ class KernelConfig:
     # H200 it saved 0.3 us of a 10 us decode launch among launches of its own and cost
     # 1-1.5 us of a layer-like graph (benchmarks/sweep_decode.py).
     pdl: bool | None = None
-    # Split-KV launches: the tile's last split to finish merges the partials in the same
-    # launch (a counter per tile in the workspace) instead of a second launch,
-    # ``_merge_kernel``. Needs the workspace's counters (``split_workspace`` makes them).
-    fuse_merge: bool = True
+    # Split-KV launches: True, the tile's last split to finish merges the partials in the
+    # same launch (a counter per tile in the workspace: ``split_workspace`` makes them);
+    # False, a second launch (``_merge_kernel``) does. None: fused for at most
+    # FUSED_MERGE_MAX_SPLITS splits when the workspace has the counters (H200 sweep: the
+    # fused merge reads FUSED_MERGE_MAX_SPLITS splits' partials in one round of loads and
+    # saved 1-5 us at batch 8; with 8-32 splits, one round per 4 of them, it cost up to 7
+    # us more than the second launch at batch 1).
+    fuse_merge: bool | None = None
 
 
 # (head_dim <= 128, element bytes) -> (decode config (block_n, warps, stages), mixed
@@ -106,6 +110,10 @@ _TABLE = {
 }
 # Split-KV factors allowed.
 MAX_SPLITS = 64
+# KernelConfig.fuse_merge=None fuses the merge up to this many splits.
+FUSED_MERGE_MAX_SPLITS = 4
+# The fused merge loads this many rows of partial output at once (tile rows x splits).
+_MERGE_ROWS = 64
 
 # A launch with room for this many tokens is prefill-dominated (at most max_num_seqs of
 # them can be decodes): its 8-warp 256-row tiles were ~20% faster on prefills and ~25%
@@ -187,7 +195,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     softcap: ``softcap * tanh(logit / softcap)`` when set, in [1e-6, 1e6].
     num_splits: split-KV factor (1 = off). workspace: ``split_workspace(...)`` buffers, made
              here when None (pass them when capturing, so the graph owns fixed buffers);
-             (part_o, part_lse) without counters only with ``config.fuse_merge=False``.
+             (part_o, part_lse) without counters: the merge is a second launch.
     max_query_len: a capacity hint (1 for decode-only launches) that picks the tile shape.
     """
     check_tensor("meta", meta.seq_lens, dim=1, dtypes=(torch.int32,))
@@ -239,7 +247,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     max_num_seqs = meta.max_num_seqs
     num_tiles = num_tokens // cfg.block_q + max_num_seqs
-    fuse_merge = num_splits > 1 and cfg.fuse_merge
+    # fuse_merge: the kernel variant can merge in place (any split launch with counters
+    # unless the config says no, so that every split factor shares it); merge_now: this
+    # launch does (the config's choice, or up to FUSED_MERGE_MAX_SPLITS splits)
+    if cfg.fuse_merge is None:
+        fuse_merge = num_splits > 1 and (workspace is None or (isinstance(workspace, (tuple, list))
+                                                               and len(workspace) == 3))
+        merge_now = fuse_merge and num_splits <= FUSED_MERGE_MAX_SPLITS
+    else:
+        fuse_merge = merge_now = num_splits > 1 and bool(cfg.fuse_merge)
     counters = out                    # unused by the kernel without FUSE_MERGE
     if num_splits > 1:
         if workspace is None:
@@ -250,8 +266,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o, part_lse = workspace[:2]
         if fuse_merge:
             if len(workspace) != 3:
-                raise ValueError("workspace has no counters for the fused merge: pass all of split_workspace(...), "
-                                 "or a config with fuse_merge=False")
+                raise ValueError("workspace has no counters for the fused merge (config.fuse_merge=True): pass all "
+                                 "of split_workspace(...)")
             counters = workspace[2]
             check_tensor("workspace[2]", counters, dim=1, dtypes=(torch.int32,), device=device)
             if counters.numel() < num_tiles * num_kv_heads or counters.stride(0) != 1:
@@ -285,7 +301,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o.stride(0), part_o.stride(1), part_o.stride(2) if num_splits > 1 else 0,
         part_lse.stride(0), part_lse.stride(1),
         float(scale) * 1.4426950408889634, float(softcap or 1.0), min(window or 0, MAX_WINDOW),
-        max_num_seqs, num_tokens, num_blocks, meta.block_table.shape[1],
+        max_num_seqs, num_tokens, num_blocks, meta.block_table.shape[1], int(merge_now),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=block_size,
         QPK=qpk, QPK_PAD=qpk_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         SHORT_Q=short_q if short_block_n else 0, SHORT_BLOCK_N=short_block_n,
@@ -294,10 +310,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_SOFTCAP=softcap is not None,
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
         SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
-        KV_FP8=fp8, FUSE_MERGE=fuse_merge, DECODE_MAP=max_query_len == 1, PDL=pdl,
+        KV_FP8=fp8, FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=max_query_len == 1, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
-    if num_splits > 1 and not fuse_merge:
+    if num_splits > 1 and not merge_now:
         _merge_kernel[(num_tokens, num_q_heads)](
             out, part_o, part_lse, meta.query_start_loc,
             out.stride(0), out.stride(1),

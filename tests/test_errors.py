@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _cases import Seq, build_meta, rngs
-from graphrt.kernels import AttentionMetadata, paged_attention, split_workspace, write_kv
+from graphrt.kernels import AttentionMetadata, KernelConfig, paged_attention, split_workspace, write_kv
 
 
 @pytest.fixture
@@ -69,7 +69,8 @@ def _call(setup, **change):
     (lambda s: dict(num_splits=True), ValueError, r"^num_splits must be an int in \[1, 64\]"),
     (lambda s: dict(num_splits=2, workspace=split_workspace(6, 4, 64, 3, s["q"].device)), ValueError,
      r"^workspace\[0\] must be"),
-    (lambda s: dict(num_splits=2, workspace=split_workspace(6, 4, 64, 2, s["q"].device)[:2]), ValueError,
+    (lambda s: dict(num_splits=2, workspace=split_workspace(6, 4, 64, 2, s["q"].device)[:2],
+                    config=KernelConfig(block_q=16, block_n=32, fuse_merge=True)), ValueError,
      r"^workspace has no counters for the fused merge"),
     (lambda s: dict(num_splits=2, workspace=(*split_workspace(6, 4, 64, 2, s["q"].device)[:2],
                                              torch.zeros(3, dtype=torch.int32, device=s["q"].device))), ValueError,

@@ -88,6 +88,9 @@ CASES = [
          max_query_len=1, config=KernelConfig(block_q=4, block_n=32, fuse_merge=False)),
     Case("split-mixed-merge-launch", (S(1, 150), S(24, 40, ((30, 60),))), splits=3, window=32,
          config=KernelConfig(block_q=8, block_n=16, short_block_n=32, fuse_merge=False)),
+    # the fused merge past the default's split limit: several rounds of loads, the last partial
+    Case("split-decode-fused-9", (S(1, 300, ((3, 100),)), S(1, 5), S(1, 130), S(1, 0)), splits=9,
+         max_query_len=1, config=KernelConfig(block_q=4, block_n=16, fuse_merge=True)),
     # Small key tiles so that a window leaves tiles every row sees in full (the unmasked
     # path) between masked ones; large tiles as the GPU's prefill table uses.
     Case("full-tiles-window-unclipped", FULL_TILES, window=43, window_rule="ranges_unclipped",
@@ -220,12 +223,12 @@ def test_random_tile_shapes(device):
         block_q = max(16 // qpk_pad, 1) * int(rng.choice([1, 2, 4]))
         config = KernelConfig(block_q=block_q, block_n=int(rng.choice([16, 32, 64])),
                               short_block_n=int(rng.choice([16, 32, 64])) if rng.random() < 0.7 else None,
-                              fuse_merge=bool(rng.random() < 0.7))
+                              fuse_merge=[None, True, False][int(rng.integers(3))])
         opts = dict(window=int(rng.integers(5, 80)) if rng.random() < 0.6 else None,
                     window_rule=str(rng.choice(["clip", "two_sided", "ranges_unclipped"])),
                     ranges=bool(rng.random() < 0.8),
                     softcap=3.0 if rng.random() < 0.3 else None)
-        splits = int(rng.choice([1, 1, 2, 3]))
+        splits = int(rng.choice([1, 1, 2, 3, 6]))
         max_query_len = 1 if rng.random() < 0.3 else None     # the decode launch's program mapping
         seqs = random_seqs(rng, int(rng.integers(1, 5)), max_q=50, max_ctx=150, max_ranges=2)
         total = sum(s.q_len for s in seqs)
@@ -316,7 +319,8 @@ def test_fused_merge_over_many_replays():
     def draw():
         return [S(1, int(rng.integers(0, 2000))) for _ in range(num_seqs)]
 
-    first, _ = build_meta(draw(), block_size=16, num_blocks=num_blocks, max_ranges=1, rng=rng, device=device,
+    # the first step has the longest context: its block table is the widest
+    first, _ = build_meta([S(1, 2047)] + draw()[1:], block_size=16, num_blocks=num_blocks, max_ranges=1, rng=rng, device=device,
                           num_seqs=num_seqs, num_tokens=num_seqs)
     fixed = {name: getattr(first, name).clone() for name in first.__dataclass_fields__}
     meta = type(first)(**fixed)
@@ -326,8 +330,10 @@ def test_fused_merge_over_many_replays():
 
     def run():
         q.copy_(q_in)
-        paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, workspace=workspace, max_query_len=1)
+        paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, workspace=workspace, max_query_len=1,
+                        config=config)
 
+    config = dataclasses.replace(default_config(d, torch.float16, hq // hkv, max_query_len=1), fuse_merge=True)
     run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
