@@ -98,14 +98,15 @@ class GraphSet:
 
     def capture(self, buckets: Sequence[Bucket], prepare: Callable[[Bucket], Callable[[], Any]], *,
                 warmup: int = 1, trace=None, progress: Callable[[CapturedGraph], None] | None = None,
-                precompile: bool = False) -> None:
+                precompile: bool = False, precompile_key: str | None = None) -> None:
         """Capture every bucket, largest first. ``prepare(bucket)`` stages an all-padding step
         for the bucket and returns the function that runs one step of it. Graphs captured
         earlier are dropped when a tensor they read has moved since (capturing again is
         the way to go on after replacing a cache or a weight). ``precompile``: first find
         the Triton kernel variants every bucket needs and compile the missing ones in
         parallel processes (``capture.precompile``); ``self.precompile_report`` says what
-        that did."""
+        that did. ``precompile_key``: what besides the buckets decides the variants (shapes,
+        dtypes, the model), naming the manifest that lets a warm start skip that search."""
         if self._addresses is not None and not self._guard_holds():
             self.graphs.clear()
             self.index = BucketIndex([])
@@ -129,8 +130,9 @@ class GraphSet:
 
             stream.wait_stream(torch.cuda.current_stream())
             try:
+                key = None if precompile_key is None else f"{precompile_key}|{sorted(set(buckets))}"
                 with torch.cuda.stream(stream):
-                    self.precompile_report = compile_variants(runs())
+                    self.precompile_report = compile_variants(runs(), key=key)
             except Exception as exc:      # an optimisation only: capture compiles what it needs anyway
                 from .precompile import PrecompileReport
 
@@ -140,47 +142,60 @@ class GraphSet:
         gc.collect()
         gc.freeze()     # torch.cuda.graph collects garbage on entry: keep that cheap across many buckets
         failures: list[tuple[Bucket, int | None]] = []
+        # variants compiled (or loaded) by the capture itself; after a manifest's variants
+        # were loaded, any means the manifest missed one
+        missed: list[str] = []
+        watch = contextlib.nullcontext()
+        if self.precompile_report is not None and self.precompile_report.from_manifest:
+            from .precompile import watch_compiles
+
+            watch = watch_compiles(missed)
         try:
-            for bucket in sorted(buckets, reverse=True):
-                t0 = time.perf_counter()
-                graph = None
-                try:
-                    run = prepare(bucket)
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        for _ in range(warmup):      # compiles kernels and warms the allocator outside the graph
-                            run()
-                    torch.cuda.current_stream().wait_stream(stream)
-                    # torch.cuda.graph empties the allocator's cache on entry; doing it here
-                    # first makes the growth below the graph pool's alone (not warm-up's).
-                    torch.cuda.synchronize()
-                    torch.cuda.empty_cache()
-                    reserved = torch.cuda.memory_reserved()
-                    graph = torch.cuda.CUDAGraph()
-                    span = trace.range("capture", bucket=bucket) if trace else contextlib.nullcontext()
-                    with span, torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                        outputs = run()
-                    torch.cuda.synchronize()
-                except Exception as exc:
-                    oom = _out_of_memory(exc)
-                    if oom is None:
-                        raise
-                    # Drop the partial graph (its pool blocks go back) and go on with the
-                    # smaller buckets, which may fit.
-                    del graph
-                    torch.cuda.synchronize()
-                    failures.append((bucket, _asked_bytes(oom)))
-                    self.graphs.pop(bucket, None)
-                    continue
-                captured = CapturedGraph(bucket, graph, outputs, time.perf_counter() - t0,
-                                         torch.cuda.memory_reserved() - reserved)
-                self.graphs[bucket] = captured
-                if progress:
-                    progress(captured)
+            with watch:
+                for bucket in sorted(buckets, reverse=True):
+                    t0 = time.perf_counter()
+                    graph = None
+                    try:
+                        run = prepare(bucket)
+                        stream.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(stream):
+                            for _ in range(warmup):      # compiles kernels and warms the allocator outside the graph
+                                run()
+                        torch.cuda.current_stream().wait_stream(stream)
+                        # torch.cuda.graph empties the allocator's cache on entry; doing it here
+                        # first makes the growth below the graph pool's alone (not warm-up's).
+                        torch.cuda.synchronize()
+                        torch.cuda.empty_cache()
+                        reserved = torch.cuda.memory_reserved()
+                        graph = torch.cuda.CUDAGraph()
+                        span = trace.range("capture", bucket=bucket) if trace else contextlib.nullcontext()
+                        with span, torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                            outputs = run()
+                        torch.cuda.synchronize()
+                    except Exception as exc:
+                        oom = _out_of_memory(exc)
+                        if oom is None:
+                            raise
+                        # Drop the partial graph (its pool blocks go back) and go on with the
+                        # smaller buckets, which may fit.
+                        del graph
+                        torch.cuda.synchronize()
+                        failures.append((bucket, _asked_bytes(oom)))
+                        self.graphs.pop(bucket, None)
+                        continue
+                    captured = CapturedGraph(bucket, graph, outputs, time.perf_counter() - t0,
+                                             torch.cuda.memory_reserved() - reserved)
+                    self.graphs[bucket] = captured
+                    if progress:
+                        progress(captured)
         finally:
             gc.unfreeze()
             self.index = BucketIndex(list(self.graphs))
             self._addresses = [t.data_ptr() for _, t in self._guard()]
+            if missed:
+                from .precompile import forget_manifest
+
+                forget_manifest(self.precompile_report)
         if failures:
             raise CaptureError(failures, captured=len(buckets) - len(failures), total=len(buckets))
 

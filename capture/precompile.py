@@ -18,6 +18,14 @@ help). ``precompile(runs)`` instead:
 Correctness never rests on the pool: the kernels a capture launches are always the ones
 this process loads or compiles through Triton's own path; a variant a worker failed on, or
 compiled under a different cache key, is simply compiled here.
+
+With a ``key`` (what decides the variants: the runtime's shapes and buckets), the variants
+found are written to a manifest in Triton's cache directory, named by that key, Triton's
+version, the GPU target and the kernels' source hashes, with the cache entry of each. A
+later capture with the same key whose entries are all still on disk skips the pass and the
+pool: it loads the listed variants and goes on (a warm start costs the loads alone). A
+manifest that turns out to miss a variant (the model's step launches one more) is removed
+by the capture, so the next capture builds it again; a cleared cache simply misses it.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ class PrecompileReport:
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)           # seconds: collect, pool_wait, load
+    manifest: str | None = None  # the manifest's path: read (``from_manifest``) or written
+    from_manifest: bool = False  # the variants came from a manifest whose cache entries were all there
     compile_seconds: dict[str, float] = field(default_factory=dict)  # per variant in the pool, and imports
 
 
@@ -238,18 +248,118 @@ def _worker() -> None:
     print(json.dumps(dict(failures=failures, seconds=seconds)))
 
 
-def precompile(runs: Iterable[Callable[[], Any]], *, max_workers: int | None = None) -> PrecompileReport:
+def _cache_dir() -> str | None:
+    """Triton's on-disk cache directory, or None when a cache manager other than its file
+    cache is configured (then no manifest)."""
+    from triton import knobs
+
+    if knobs.cache.manager_class is not None:
+        return None
+    return knobs.cache.dir or None
+
+
+def manifest_path(key: str, target: tuple) -> str | None:
+    """Where the manifest of ``key`` lives for this Triton, GPU target and kernel sources."""
+    import hashlib
+
+    import triton
+
+    cache_dir = _cache_dir()
+    if cache_dir is None:
+        return None
+    sources = []
+    for name in _Pool.MODULES:
+        module = importlib.import_module(name)
+        sources += sorted(f"{n}:{obj.cache_key}" for n, obj in vars(module).items()
+                          if isinstance(obj, triton.runtime.jit.JITFunction))
+    digest = hashlib.sha256(json.dumps([key, triton.__version__, list(target), sources]).encode()).hexdigest()
+    return os.path.join(cache_dir, "graphrt-precompile", digest[:32] + ".json")
+
+
+def _read_manifest(path: str | None) -> list[Variant] | None:
+    """The manifest's variants when every one's cache entry is still on disk, else None."""
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            entries = json.load(f)["variants"]
+        cache_dir = os.path.dirname(os.path.dirname(path))
+        variants = []
+        for e in entries:
+            entry = os.path.join(cache_dir, e["hash"])
+            if not os.path.isdir(entry) or not any(n.startswith("__grp__") for n in os.listdir(entry)):
+                return None
+            variants.append(Variant(e["module"], e["qualname"], e["data"]))
+        return variants
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_manifest(path: str, entries: list[dict]) -> None:
+    """Write whole (a temporary file renamed over it), as Triton writes its cache."""
+    import tempfile
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(dict(variants=entries), f)
+    os.replace(tmp, path)
+
+
+def forget_manifest(report: PrecompileReport | None) -> None:
+    """Remove the manifest a capture read (it missed a variant): the next capture finds
+    the variants again and writes a new one."""
+    if report is not None and report.from_manifest and report.manifest:
+        with contextlib.suppress(OSError):
+            os.remove(report.manifest)
+
+
+@contextlib.contextmanager
+def watch_compiles(seen: list[str]):
+    """Appends to ``seen`` the name of each kernel variant compiled (or loaded from disk)
+    inside the block, while Triton goes on as usual."""
+    from triton import knobs
+
+    def hook(*, fn, **_):
+        seen.append(fn.name)
+        return False             # compile as usual
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
+def precompile(runs: Iterable[Callable[[], Any]], *, max_workers: int | None = None,
+               key: str | None = None) -> PrecompileReport:
     """Find the kernel variants ``runs`` need (kernels skipped), compile them in parallel
     processes while the search goes on, and load them all into this process (module doc).
     CUDA only. ``max_workers``: at most this many worker processes (default: one per CPU
-    core but one, up to 16)."""
+    core but one, up to 16). ``key``: what decides the variants, naming a manifest that
+    lets a warm start skip the search (module doc)."""
     from triton.runtime import driver
 
     t0 = time.perf_counter()
     report = PrecompileReport()
     gpu = driver.active.get_current_target()
+    target = (gpu.backend, gpu.arch, gpu.warp_size)
+    if key is not None:
+        report.manifest = manifest_path(key, target)
+        listed = _read_manifest(report.manifest)
+        report.phases["manifest"] = time.perf_counter() - t0
+        if listed is not None:
+            t = time.perf_counter()
+            for v in listed:
+                _kernel(v).preload(v.data)          # from the on-disk cache
+            report.phases["load"] = time.perf_counter() - t
+            report.variants = len(listed)
+            report.from_manifest = True
+            report.seconds = time.perf_counter() - t0
+            return report
     report.workers = max(1, min(max_workers or 16, (os.cpu_count() or 2) - 1))
-    pool = _Pool((gpu.backend, gpu.arch, gpu.warp_size), report.workers)
+    pool = _Pool(target, report.workers)
     try:
         variants = collect(runs, pool.send)
     except BaseException:
@@ -262,9 +372,15 @@ def precompile(runs: Iterable[Callable[[], Any]], *, max_workers: int | None = N
     report.failed_in_pool = len(report.failures)
     report.phases["pool_wait"] = time.perf_counter() - t
     t = time.perf_counter()
+    entries = []
     for v in variants:
-        _kernel(v).preload(v.data)          # from the on-disk cache (or compiled here)
+        kernel = _kernel(v).preload(v.data)          # from the on-disk cache (or compiled here)
+        if getattr(kernel, "hash", None):
+            entries.append(dict(v.__dict__, hash=kernel.hash))
     report.phases["load"] = time.perf_counter() - t
+    if report.manifest is not None and len(entries) == len(variants):
+        with contextlib.suppress(OSError):
+            _write_manifest(report.manifest, entries)
     report.seconds = time.perf_counter() - t0
     return report
 

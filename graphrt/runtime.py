@@ -16,6 +16,7 @@ them (on the same stream) before then.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -234,8 +235,18 @@ class Runtime:
                 if progress:
                     progress(graph)
 
-            self.graphs.capture(buckets, prepare, trace=self.tracer, progress=captured, precompile=precompile)
+            self.graphs.capture(buckets, prepare, trace=self.tracer, progress=captured, precompile=precompile,
+                                precompile_key=self._precompile_key() if precompile else None)
         return [self.graphs.graphs[b] for b in sorted(buckets, reverse=True)]
+
+    def _precompile_key(self) -> str:
+        """What decides the kernel variants besides the buckets: the config, the model step,
+        the layer count, the device, torch and the PDL switch (the precompile manifest's
+        name; a capture that meets a variant the manifest lacks removes it anyway)."""
+        step = self.model_step
+        name = f"{getattr(step, '__module__', '')}.{getattr(step, '__qualname__', type(step).__qualname__)}"
+        return repr((self.cfg, name, len(self.k_caches), torch.cuda.get_device_name(self.device), torch.__version__,
+                     os.environ.get("GRAPHRT_PDL")))
 
     def _weights(self) -> list[tuple[str, dict, str]]:
         """(qualified name, owning dict, key) of every parameter and buffer of the model

@@ -268,3 +268,81 @@ def test_decode_buckets_of_every_size_share_the_attention_variants(monkeypatch):
     near = [min(expected, key=lambda k: len(set(k) ^ set(e))) for e in extra]
     assert not extra, (f"{len(every)} attention variants for {len(per_bucket)} decode buckets, expected "
                        f"{len(expected)}; extra ones differ in {[sorted(set(e) - set(k)) for e, k in zip(extra, near)]}")
+
+
+def test_manifest_lists_variants_while_their_cache_entries_last(tmp_path, monkeypatch):
+    from triton import knobs
+
+    from graphrt.capture import precompile as pc
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    path = pc.manifest_path("shapes A", ("cuda", 90, 32))
+    assert path is not None and path.startswith(str(tmp_path))
+    assert pc.manifest_path("shapes B", ("cuda", 90, 32)) != path
+    assert pc.manifest_path("shapes A", ("cuda", 100, 32)) != path
+    assert pc._read_manifest(path) is None                      # none yet
+    v = write_kv_variant(64)
+    (tmp_path / "abc123").mkdir()
+    (tmp_path / "abc123" / "__grp___write_kv_kernel.json").write_text("{}")
+    pc._write_manifest(path, [dict(v.__dict__, hash="abc123")])
+    assert pc._read_manifest(path) == [v]
+    (tmp_path / "abc123" / "__grp___write_kv_kernel.json").unlink()   # the cache entry went
+    assert pc._read_manifest(path) is None
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert pc._read_manifest(path) is None
+    report = pc.PrecompileReport(manifest=path, from_manifest=True)
+    pc.forget_manifest(report)
+    assert not (tmp_path / path).exists()
+
+
+_CAPTURE_SCRIPT = """
+import json, torch, numpy as np
+from graphrt import Runtime, RuntimeConfig, SeqStep, Step
+from graphrt.toy import ToyModel
+cfg = RuntimeConfig(num_q_heads=6, num_kv_heads=2, head_dim=40, block_size=16, num_blocks=64, max_num_seqs=4,
+                    max_num_tokens=32, max_model_len=256, max_prefix_ranges=2, dtype=torch.bfloat16)
+torch.manual_seed(0)
+model = ToyModel(cfg, num_layers=2, hidden=64, vocab=50, device="cuda")
+rt = Runtime(cfg, model, num_layers=2, device="cuda")
+rt.capture(decode_buckets=[1, 4], mixed_buckets=[32], quiet=True, precompile=True)
+r = rt.graphs.precompile_report
+step = Step([SeqStep(q_len=5, context_len=0, block_ids=[0]), SeqStep(q_len=3, context_len=0, block_ids=[1])])
+hidden, _ = rt.step(step, np.arange(8) % 50)
+assert rt.last.mode == "replay"
+eager = Runtime(cfg, model, num_layers=2, device="cuda")
+want, _ = eager.step(step, np.arange(8) % 50)
+torch.testing.assert_close(hidden[:8].float(), want[:8].float(), atol=2e-2, rtol=2e-2)
+print(json.dumps(dict(variants=r.variants, from_manifest=r.from_manifest, manifest=r.manifest, failures=r.failures)))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_warm_capture_loads_the_manifest_and_a_stale_one_goes(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+
+    def capture() -> dict:
+        child = subprocess.run([sys.executable, "-c", _CAPTURE_SCRIPT], env=env, capture_output=True, text=True,
+                               timeout=600)
+        assert child.returncode == 0, child.stderr[-3000:]
+        return json.loads(child.stdout.strip().splitlines()[-1])
+
+    cold = capture()                       # a fresh cache: the search and the pool; writes the manifest
+    assert not cold["from_manifest"] and cold["failures"] == [] and os.path.isfile(cold["manifest"]), cold
+    warm = capture()                       # the same shapes: the manifest's variants, loaded
+    assert warm["from_manifest"] and warm["variants"] == cold["variants"], warm
+    with open(cold["manifest"]) as f:      # a manifest missing one variant: used, then removed
+        listed = json.load(f)
+    listed["variants"] = listed["variants"][1:]
+    with open(cold["manifest"], "w") as f:
+        json.dump(listed, f)
+    stale = capture()
+    assert stale["from_manifest"] and stale["variants"] == cold["variants"] - 1, stale
+    assert not os.path.exists(cold["manifest"]), "the capture kept a manifest that missed a variant"
+    again = capture()                      # found again and written anew
+    assert not again["from_manifest"] and os.path.isfile(cold["manifest"]), again

@@ -41,7 +41,8 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
                 how = " with precompile" if precompile else ""
                 print(f"{cache} Triton cache{how}: captured {total['buckets']} buckets of a {total['layers']}-layer "
                       f"model in {total['ms'] / 1e3:.1f} s, graph pool {total['pool_bytes'] / 2**20:.0f} MiB"
-                      + (f" (precompile: {total['precompile_variants']} variants, {total['precompile_workers']} "
+                      + (f" (precompile{' from its manifest' if total.get('precompile_from_manifest') else ''}: "
+                         f"{total['precompile_variants']} variants, {total['precompile_workers']} "
                          f"workers, {total['precompile_s']:.1f} s: "
                          + ", ".join(f"{k} {v:.1f}" for k, v in (total["precompile_phases"] or {}).items())
                          + _slowest(total["precompile_compile_s"]) + ")" if precompile else ""))
@@ -95,7 +96,8 @@ def measure(*, quick: bool, precompile: bool = False) -> list[dict]:
                      precompile_s=report.seconds if report else None,
                      precompile_phases=report.phases if report else None,
                      precompile_compile_s=report.compile_seconds if report else None,
-                     precompile_failures=report.failures if report else None))
+                     precompile_failures=report.failures if report else None,
+                     precompile_from_manifest=report.from_manifest if report else None))
     return rows
 
 
