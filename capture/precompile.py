@@ -286,7 +286,7 @@ def _read_manifest(path: str | None) -> list[Variant] | None:
         cache_dir = os.path.dirname(os.path.dirname(path))
         variants = []
         for e in entries:
-            entry = os.path.join(cache_dir, e["hash"])
+            entry = os.path.join(cache_dir, os.path.basename(e["entry"]))
             if not os.path.isdir(entry) or not any(n.startswith("__grp__") for n in os.listdir(entry)):
                 return None
             variants.append(Variant(e["module"], e["qualname"], e["data"]))
@@ -372,11 +372,14 @@ def precompile(runs: Iterable[Callable[[], Any]], *, max_workers: int | None = N
     report.failed_in_pool = len(report.failures)
     report.phases["pool_wait"] = time.perf_counter() - t
     t = time.perf_counter()
+    from triton.runtime.cache import get_cache_manager
+
     entries = []
     for v in variants:
         kernel = _kernel(v).preload(v.data)          # from the on-disk cache (or compiled here)
         if getattr(kernel, "hash", None):
-            entries.append(dict(v.__dict__, hash=kernel.hash))
+            # the variant's directory in the cache (Triton names it after the kernel's hash)
+            entries.append(dict(v.__dict__, entry=os.path.basename(get_cache_manager(kernel.hash).cache_dir)))
     report.phases["load"] = time.perf_counter() - t
     if report.manifest is not None and len(entries) == len(variants):
         with contextlib.suppress(OSError):

@@ -284,7 +284,7 @@ def test_manifest_lists_variants_while_their_cache_entries_last(tmp_path, monkey
     v = write_kv_variant(64)
     (tmp_path / "abc123").mkdir()
     (tmp_path / "abc123" / "__grp___write_kv_kernel.json").write_text("{}")
-    pc._write_manifest(path, [dict(v.__dict__, hash="abc123")])
+    pc._write_manifest(path, [dict(v.__dict__, entry="abc123")])
     assert pc._read_manifest(path) == [v]
     (tmp_path / "abc123" / "__grp___write_kv_kernel.json").unlink()   # the cache entry went
     assert pc._read_manifest(path) is None
