@@ -16,8 +16,10 @@ Variants (bf16 cache, 32/8 heads, head_dim 128, KV block 16, random block placem
     ... fused      ... with the merge inside the attention launch (``fuse_merge=True``)
     ... uN         ... its partials loaded N splits at a time (default 4 for 16-row tiles)
 
-and a layer-like graph, ``layer``: a torch kernel (standing for the projections), the KV
-write, then attention (+ merge), per call, with PDL off and on. Writes
+and a layer-like graph, ``layer-off`` (``layer-pdl`` with PDL on; ``launch`` / ``fused``
+words as above): a torch kernel (standing for the projections), the KV write, then
+attention (+ merge), per call. The run measures the variants in ``main``; the words
+combine freely. Writes
 ``sweep_decode.json``: per row ms, TB/s read and ``of_copy``.
 """
 

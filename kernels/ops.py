@@ -37,8 +37,8 @@ def _(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                     prefix_ranges: torch.Tensor, slot_mapping: torch.Tensor, part_o: torch.Tensor,
-                    part_lse: torch.Tensor, counters: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None,
-                    window_rule: str = "clip", ranges: bool = True, softcap: Optional[float] = None,
+                    part_lse: torch.Tensor, counters: torch.Tensor, scale: Optional[float] = None,
+                    window: Optional[int] = None, window_rule: str = "clip", ranges: bool = True, softcap: Optional[float] = None,
                     num_splits: int = 1,
                     max_query_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
                     v_scale: Optional[torch.Tensor] = None) -> None:

@@ -25,9 +25,10 @@ Split-KV (flash-decoding): with SPLIT each tile's visible key span is cut on the
 into as many equal runs of key tiles as the grid's third dimension has programs; each split
 writes a partial output and its log-sum-exp. The split of a tile that finishes last (a
 counter per tile in the workspace, which that split resets) merges them into ``out`` in
-the same launch (for at most FUSED_MERGE_MAX_SPLITS splits unless ``KernelConfig.fuse_merge``
-says otherwise); or a second launch, ``_merge_kernel``, does. The split count is fixed at launch, the split lengths follow each step's
-contexts on the device. The count is not a compile-time constant of the attention kernel,
+the same launch (for at most FUSED_MERGE_MAX_SPLITS splits unless
+``KernelConfig.fuse_merge`` says otherwise); or a second launch, ``_merge_kernel``, does.
+The split count is fixed at launch, the split lengths follow each step's contexts on the
+device. The count is not a compile-time constant of the attention kernel,
 so the decode buckets' split factors (1 to 64) share two variants of it (split or not),
 which keeps capture's compiles down.
 """

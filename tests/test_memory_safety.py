@@ -36,7 +36,8 @@ def banded(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
 def assert_bands(name: str, whole: torch.Tensor) -> None:
     bands = torch.cat([whole[:GUARD].flatten(), whole[-GUARD:].flatten()])
     sentinel = torch.full((), SENTINEL, dtype=whole.dtype)        # (7 in an int tensor)
-    assert bool((bands == sentinel.to(bands.device)).all()), f"{name}: a write landed outside the tensor (in its guard band)"
+    assert bool((bands == sentinel.to(bands.device)).all()), \
+        f"{name}: a write landed outside the tensor (in its guard band)"
 
 
 def banded_workspace(num_tokens: int, num_q_heads: int, splits: int, head_dim: int, num_seqs: int, device):

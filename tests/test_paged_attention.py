@@ -320,8 +320,8 @@ def test_fused_merge_over_many_replays():
         return [S(1, int(rng.integers(0, 2000))) for _ in range(num_seqs)]
 
     # the first step has the longest context: its block table is the widest
-    first, _ = build_meta([S(1, 2047)] + draw()[1:], block_size=16, num_blocks=num_blocks, max_ranges=1, rng=rng, device=device,
-                          num_seqs=num_seqs, num_tokens=num_seqs)
+    first, _ = build_meta([S(1, 2047)] + draw()[1:], block_size=16, num_blocks=num_blocks, max_ranges=1, rng=rng,
+                          device=device, num_seqs=num_seqs, num_tokens=num_seqs)
     fixed = {name: getattr(first, name).clone() for name in first.__dataclass_fields__}
     meta = type(first)(**fixed)
     q_in = torch.randn(num_seqs, hq, d, generator=gen).to(device, torch.float16)
