@@ -175,17 +175,19 @@ def test_from_arrays_rejects():
 
 
 def random_step_arrays(rng: np.random.Generator, max_seqs: int, num_blocks: int, *, decode_p: float = 0.0,
-                       distinct_p: float = 0.0, derived_p: float = 0.0) -> dict:
+                       distinct_p: float = 0.0, derived_p: float = 0.0, max_context: int = 100,
+                       no_ranges_p: float = 0.0) -> dict:
     """``Step.from_arrays`` keywords of a random step, valid or broken in any limit: up
     to ``max_seqs`` sequences of up to 3 new tokens (all decodes with probability
-    ``decode_p``), contexts up to 99, blocks from [0, num_blocks) (distinct with
+    ``decode_p``), contexts below ``max_context``, blocks from [0, num_blocks) (distinct with
     probability ``distinct_p`` when they fit, else drawn with repeats), 4 range slots;
     now and then a q_len of 0, a negative context, a count off by one, a block id out of
     range, shuffled, shifted or empty ranges, or a range count too large. With probability
-    ``derived_p`` the block and range counts are left for validate to derive."""
+    ``derived_p`` the block and range counts are left for validate to derive; with
+    ``no_ranges_p`` the step has no range slots at all."""
     n = int(rng.integers(1, max_seqs + 1))
     q = np.ones(n, np.int64) if rng.random() < decode_p else rng.integers(0 if rng.random() < 0.05 else 1, 4, n)
-    c = rng.integers(-1 if rng.random() < 0.05 else 0, 100, n)
+    c = rng.integers(-1 if rng.random() < 0.05 else 0, max_context, n)
     need = -(-(q + c) // 16)
     counts = np.maximum(need + (rng.integers(-1, 2, n) if rng.random() < 0.1 else 0), 0)
     width = int(max(counts.max(), 1)) + int(rng.integers(0, 2))
@@ -210,6 +212,9 @@ def random_step_arrays(rng: np.random.Generator, max_seqs: int, num_blocks: int,
         kwargs.update(block_counts=counts, range_counts=rng.integers(0, 5 if rng.random() < 0.05 else 4, n))
     elif rng.random() >= 0.05:        # derived: the non-empty ranges count, mostly at most 3 of them
         ranges[:, 3] = 0
+    if rng.random() < no_ranges_p:
+        del kwargs["prefix_ranges"]
+        kwargs.pop("range_counts", None)
     return kwargs
 
 
@@ -247,18 +252,21 @@ def test_python_numpy_and_c_paths_validate_and_pack_alike(monkeypatch):
     are done by the C helper where it was built (graphrt._fast; on a broken step the
     Python checks then run for the message): forced down each path, random steps
     (decodes and chunks, given and derived counts, repeated blocks now and then, any
-    limit broken) get the same error message or the same packed arrays."""
+    limit broken) get the same error message or the same packed arrays. Contexts up to
+    400 tokens (25 block-table columns: the C pack's 8-column blocks and a remainder),
+    steps without range slots now and then, staging arrays holding stale values."""
     import graphrt.step as step_module
 
     paths = validation_paths()
 
     seed = fresh_seed()
     rng, _ = rngs(seed)
-    cfg = RuntimeConfig(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=40, max_num_seqs=12,
-                        max_num_tokens=80, max_model_len=120, max_prefix_ranges=3, dtype=torch.float32)
+    cfg = RuntimeConfig(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=320, max_num_seqs=12,
+                        max_num_tokens=80, max_model_len=420, max_prefix_ranges=3, dtype=torch.float32)
     outcomes = []
     for _ in range(400):
-        kwargs = random_step_arrays(rng, 12, cfg.num_blocks, decode_p=0.5, distinct_p=0.6, derived_p=0.5)
+        kwargs = random_step_arrays(rng, 12, cfg.num_blocks, decode_p=0.5, distinct_p=0.6, derived_p=0.5,
+                                    max_context=400, no_ranges_p=0.2)
         results = []
         for small, fast in paths:
             monkeypatch.setattr(step_module, "_SMALL_STEP", small)
@@ -269,10 +277,11 @@ def test_python_numpy_and_c_paths_validate_and_pack_alike(monkeypatch):
             except ValueError as exc:
                 results.append(("error", str(exc)))
                 continue
-            host = dict(query_start_loc=np.zeros(13, np.int32), seq_lens=np.zeros(12, np.int32),
-                        block_table=np.zeros((cfg.max_blocks_per_seq, 12), np.int32).T,   # as the staging view
-                        prefix_ranges=np.zeros((12, 3, 2), np.int32), slot_mapping=np.zeros(80, np.int64),
-                        positions=np.zeros(80, np.int64))
+            stale = 7        # what a staging slot holds from an earlier step
+            host = dict(query_start_loc=np.full(13, stale, np.int32), seq_lens=np.full(12, stale, np.int32),
+                        block_table=np.full((cfg.max_blocks_per_seq, 12), stale, np.int32).T,   # as the staging view
+                        prefix_ranges=np.full((12, 3, 2), stale, np.int32), slot_mapping=np.full(80, stale, np.int64),
+                        positions=np.full(80, stale, np.int64))
             step.pack(cfg.block_size, **host)
             results.append(("packed", step.block_columns, {k: v.tolist() for k, v in host.items()}))
         assert all(r == results[0] for r in results), f"the paths differ (seed={seed}): {kwargs}\n{results}"
