@@ -48,9 +48,6 @@ static void release(Buf *bufs, int n) {
 #define AT3(B, i, j, k) (AT2(B, i, j) + (Py_ssize_t)(k) * (B).b.strides[2])
 #define I64(p) (*(int64_t *)(p))
 
-/* check(q, c, table, counts|None, ranges, rcounts|None, block_size, max_num_tokens,
-         max_model_len, max_blocks_per_seq, num_blocks, max_prefix_ranges)
-   -> the block-table columns the step uses, or None if any rule is broken. */
 /* 1 when an id of ids[0:count] is >= nb (unsigned). Independent compares OR-ed together,
    which the compiler vectorizes (an AVX2 clone where the CPU has it), not a running
    maximum, whose select chain cost about a cycle per id. */
@@ -63,6 +60,9 @@ static uint64_t ids_outside(const uint64_t *ids, int64_t count, uint64_t nb) {
     return bad;
 }
 
+/* check(q, c, table, counts|None, ranges, rcounts|None, block_size, max_num_tokens,
+         max_model_len, max_blocks_per_seq, num_blocks, max_prefix_ranges)
+   -> the block-table columns the step uses, or None if any rule is broken. */
 static PyObject *check(PyObject *self, PyObject *args) {
     PyObject *oq, *oc, *ot, *ocounts, *or, *orc;
     long long bs, max_tokens, max_len, max_bps, num_blocks, max_ranges;
@@ -208,8 +208,8 @@ static PyObject *pack(PyObject *self, PyObject *args) {
     }
     /* the block table, eight columns at a time: a row's eight ids are one cache line of
        the source, and the staging view is column-major (a sequence's entries S apart), so
-       each of the eight columns is written contiguously (column by column, each source
-       line was fetched eight times: 16 us against 6 at batch 256, 64 columns) */
+       each of the eight columns is written contiguously (the whole pack at batch 256, 64
+       columns, on a CPU host: 16.6 us column by column with stride arithmetic, 9.4 so) */
     {
         char *dst = (char *)B[6].b.buf;
         const char *src = (const char *)B[2].b.buf;
