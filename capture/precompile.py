@@ -64,7 +64,6 @@ class PrecompileReport:
 def _recording(found: dict[str, Variant], on_new: Callable[[Variant], None] | None = None):
     """Triton's jit_cache_hook records each variant about to compile (``on_new`` is called
     with each new one) and skips it."""
-    from triton import knobs
 
     def hook(*, key, fn, compile, **_):
         name = str(key) + fn.name
@@ -73,6 +72,16 @@ def _recording(found: dict[str, Variant], on_new: Callable[[Variant], None] | No
             if on_new is not None:
                 on_new(found[name])
         return True              # skip: no compile, no launch
+
+    with _jit_cache_hook(hook):
+        yield
+
+
+@contextlib.contextmanager
+def _jit_cache_hook(hook: Callable[..., bool]):
+    """Triton's ``jit_cache_hook`` set to ``hook`` inside the block (called before each
+    variant not in memory is compiled; True skips it), the previous one restored after."""
+    from triton import knobs
 
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
@@ -318,18 +327,13 @@ def forget_manifest(report: PrecompileReport | None) -> None:
 def watch_compiles(seen: list[str]):
     """Appends to ``seen`` the name of each kernel variant compiled (or loaded from disk)
     inside the block, while Triton goes on as usual."""
-    from triton import knobs
 
     def hook(*, fn, **_):
         seen.append(fn.name)
         return False             # compile as usual
 
-    previous = knobs.runtime.jit_cache_hook
-    knobs.runtime.jit_cache_hook = hook
-    try:
+    with _jit_cache_hook(hook):
         yield
-    finally:
-        knobs.runtime.jit_cache_hook = previous
 
 
 def precompile(runs: Iterable[Callable[[], Any]], *, max_workers: int | None = None,

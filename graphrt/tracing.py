@@ -41,7 +41,7 @@ class Tracer:
         if enabled:
             import nvtx
 
-            self._domain = self.domain = nvtx.get_domain("graphrt")
+            self.domain = nvtx.get_domain("graphrt")
             self._ranges: dict[tuple, _Range] = {}
             self._steps: dict[tuple, tuple] = {}
 
@@ -55,7 +55,7 @@ class Tracer:
         if r is None:
             if len(self._steps) >= self._MAX_RANGES:
                 self._steps.clear()
-            attributes = self._domain.get_event_attributes
+            attributes = self.domain.get_event_attributes
             sizes = f"seqs={seqs} tokens={tokens}"
             run = f"replay bucket={bucket} {sizes}" if bucket is not None else f"eager {sizes}"
             r = self._steps[key] = (attributes(message=f"stage bucket={bucket} {sizes}"),
@@ -73,5 +73,5 @@ class Tracer:
             if len(self._ranges) >= self._MAX_RANGES:
                 self._ranges.clear()
             message = " ".join([name, *(f"{k}={v}" for k, v in fields.items())])
-            r = self._ranges[key] = _Range(self._domain, self._domain.get_event_attributes(message=message))
+            r = self._ranges[key] = _Range(self.domain, self.domain.get_event_attributes(message=message))
         return r

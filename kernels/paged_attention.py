@@ -248,15 +248,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     max_num_seqs = meta.max_num_seqs
     num_tiles = num_tokens // cfg.block_q + max_num_seqs
-    # fuse_merge: the kernel variant can merge in place (any split launch with counters
-    # unless the config says no, so that every split factor shares it); merge_now: this
-    # launch does (the config's choice, or up to FUSED_MERGE_MAX_SPLITS splits)
-    if cfg.fuse_merge is None:
-        fuse_merge = num_splits > 1 and (workspace is None or (isinstance(workspace, (tuple, list))
-                                                               and len(workspace) == 3))
-        merge_now = fuse_merge and num_splits <= FUSED_MERGE_MAX_SPLITS
-    else:
-        fuse_merge = merge_now = num_splits > 1 and bool(cfg.fuse_merge)
+    fuse_merge = merge_now = False
     counters = out                    # unused by the kernel without FUSE_MERGE
     if num_splits > 1:
         if workspace is None:
@@ -265,6 +257,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if not isinstance(workspace, (tuple, list)) or len(workspace) not in (2, 3):
             raise TypeError("workspace must be the tuple split_workspace(...) returns (part_o, part_lse, counters)")
         part_o, part_lse = workspace[:2]
+        # fuse_merge: the kernel variant can merge in place (any split launch with counters
+        # unless the config says no, so that every split factor shares it); merge_now: this
+        # launch does (the config's choice, or up to FUSED_MERGE_MAX_SPLITS splits)
+        if cfg.fuse_merge is None:
+            fuse_merge = len(workspace) == 3
+            merge_now = fuse_merge and num_splits <= FUSED_MERGE_MAX_SPLITS
+        else:
+            fuse_merge = merge_now = bool(cfg.fuse_merge)
         if fuse_merge:
             if len(workspace) != 3:
                 raise ValueError("workspace has no counters for the fused merge (config.fuse_merge=True): pass all "

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from _cases import TOL, Seq, assert_close, build_meta, fresh_seed, rngs
 from graphrt import Runtime, RuntimeConfig, SeqStep, Step
-from graphrt.kernels import AttentionMetadata, default_config, paged_attention, reference, split_workspace, write_kv
+from graphrt.kernels import AttentionMetadata, default_config, paged_attention, reference, write_kv
 
 GUARD = 3          # rows (or cache blocks) of guard band on each side
 SENTINEL = 7.25    # what the bands hold
