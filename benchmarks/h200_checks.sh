@@ -3,7 +3,7 @@
 #   bash benchmarks/h200_checks.sh OUT PART...
 # PART: tests | sanitizer | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | probe-step | probe-host |
 #       probe-ops | bench-host | bench-capture | bench-runtime |
-#       bench-kernels | sweep-fp8 | sweep-prefill | sweep-splits | sweep-decode | ncu-decode. ab-runtime and probe-step compare with the tree in $BASE
+#       bench-kernels | sweep-fp8 | sweep-prefill | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base); JOBS: pytest workers for tests (default 10). Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
 #       failing part does not stop the others. GRAPHRT_COMMIT labels the JSONs.
@@ -30,7 +30,8 @@ for part in "$@"; do
   case $part in
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -n "${JOBS:-10}" tests --ignore=tests/test_sanitizer.py ;;
     sanitizer) timeout "$limit" python3 -m pytest -q -rP -p no:cacheprovider -n 3 tests/test_sanitizer.py ;;
-    ab-runtime) timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which runtime \
+    ab-runtime) for t in . "$base"; do (cd "$t" && python3 setup.py -q build_ext --inplace); done   # both with the C helper
+                timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which runtime \
                   --rounds 2 --harness a --out /tmp/ab_runtime && cp /tmp/ab_runtime/ab_runtime.json "$out/" ;;
     probe-step) new=$(site new .); old=$(site old "$base")
                 timeout "$limit" bash -c "for r in 1 2; do for s in $new $old; do PYTHONPATH=\$s:\${PYTHONPATH:-} \
@@ -52,6 +53,11 @@ for part in "$@"; do
                     --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
                     --section LaunchStats --section WarpStateStats --section SchedulerStats \
                     python3 benchmarks/probe_decode_ncu.py $shape; done ;;
+    ncu-merge) for merge in fused launch; do   # batch 1, 8k, 32 splits: the merge in place against a second launch
+                 timeout "$limit" ncu --clock-control none --kernel-name regex:"_attn_kernel|_merge_kernel" \
+                   --launch-skip 2 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                   --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+                   python3 benchmarks/probe_decode_ncu.py --batch 1 --context 8192 --splits 32 --merge $merge; done ;;
     *) echo "unknown part $part" ;;
   esac > "$log" 2>&1
   echo "rc=$?" >> "$log"

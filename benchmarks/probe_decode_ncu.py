@@ -10,6 +10,7 @@ Each launch runs three times (the first compiles)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from graphrt.bench.kernels import HKV, _caches, make_meta
 
@@ -17,7 +18,7 @@ from graphrt.bench.kernels import HKV, _caches, make_meta
 def main() -> None:
     import torch
 
-    from graphrt.kernels import decode_splits, paged_attention, split_workspace
+    from graphrt.kernels import decode_splits, default_config, paged_attention, split_workspace
     from graphrt.bench.kernels import D, DEV, DT, HQ
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,6 +26,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--splits", type=int, default=None)
     parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--merge", choices=("auto", "fused", "launch"), default="auto",
+                        help="the split-KV merge: as the config decides, inside the attention launch, or a second launch")
     args = parser.parse_args()
     b, ctx = args.batch, args.context
     meta, nblk = make_meta([1] * b, [ctx - 1] * b, [[]] * b)
@@ -34,11 +37,13 @@ def main() -> None:
     out = torch.empty_like(q)
     splits = args.splits or decode_splits(b, HKV, DEV)
     ws = split_workspace(b, HQ, D, splits, DEV) if splits > 1 else None
+    cfg = dataclasses.replace(default_config(D, DT, HQ // HKV, max_query_len=1),
+                              fuse_merge={"auto": None, "fused": True, "launch": False}[args.merge])
     for _ in range(3):
-        paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws, max_query_len=1, **scales)
+        paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws, max_query_len=1, config=cfg, **scales)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    print(f"batch {b} context {ctx} splits {splits} fp8 {args.fp8}: done")
+    print(f"batch {b} context {ctx} splits {splits} fp8 {args.fp8} merge {args.merge}: done")
 
 
 if __name__ == "__main__":

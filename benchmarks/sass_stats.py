@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--window", action="store_true")
     parser.add_argument("--fp8", action="store_true", help="an e4m3 cache")
     parser.add_argument("--q-dtype", default="bf16", choices=("bf16", "fp16"))
+    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-q", type=int, default=4)
     parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--short-q", type=int, default=0)
@@ -57,10 +58,10 @@ def main() -> None:
         sys.path.insert(0, tmp)
         fn = importlib.import_module(package.name + ".paged_attention")._attn_kernel
         names = fn.arg_names
-        const = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, KV_BLOCK_SIZE=16, QPK=4, QPK_PAD=4, BLOCK_Q=args.block_q,
+        const = dict(HEAD_DIM=args.head_dim, HEAD_DIM_PAD=1 << (args.head_dim - 1).bit_length(), KV_BLOCK_SIZE=16, QPK=4, QPK_PAD=4, BLOCK_Q=args.block_q,
                      BLOCK_N=args.block_n, SHORT_Q=args.short_q, SHORT_BLOCK_N=args.short_block_n, MAX_RANGES=8,
                      USE_WINDOW=args.window, WINDOW_RULE=0, USE_RANGES=True, USE_SOFTCAP=False,
-                     SPLIT=args.splits > 1, NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8,
+                     SPLIT=args.splits > 1, NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=2 if args.fp8 and args.arch >= 89 else 0,
                      FUSE_MERGE=args.splits > 1 and not args.merge_launch,
                      MERGE_ROWS=args.merge_rows, DECODE_MAP=not args.mixed, PDL=args.pdl)
         # the values the runtime passes for a 256-sequence decode bucket (what Triton
@@ -110,6 +111,8 @@ def main() -> None:
         usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
                                text=True).stdout
         sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    if os.environ.get("GRAPHRT_DUMP_IR"):
+        (Path(os.environ["GRAPHRT_DUMP_IR"]) / "attn.sass").write_text(sass)
     lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
 
     def count(pattern: str) -> int:
@@ -119,8 +122,10 @@ def main() -> None:
     resources += f" dynamic shared {kernel.metadata.shared} B"      # Triton's pipelining buffers live here
     loads, mma, conversions = count(r"LDG"), count(r"MMA"), count(r"F2F|F2FP|I2F|PRMT")
     local = count(r"\b(STL|LDL)")
+    lds, sts, ldsm, ldgsts = count(r"\bLDS\b|\bLDS\."), count(r"\bSTS\b|\bSTS\."), count(r"LDSM"), count(r"LDGSTS")
+    shared = f"shared: {ldgsts} async copies, {ldsm} ldmatrix, {lds} loads, {sts} stores"
     print(f"triton {triton.__version__}, sm_{args.arch}, tree {args.tree}: {resources}; {len(lines)} instructions, "
-          f"{loads} global loads, {mma} MMA, {conversions} conversions, {local} local (spill) loads/stores")
+          f"{loads} global loads, {mma} MMA, {conversions} conversions, {local} local (spill) loads/stores; {shared}")
 
 
 if __name__ == "__main__":

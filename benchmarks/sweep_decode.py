@@ -109,7 +109,8 @@ def main() -> None:
     for batch, ctx in shapes:
         variants = ["map", "map launch", "map fused", "map fused u8", "map fused u2"]
         if batch == 1:
-            variants += ["map x4", "map x4 launch", "map x8", "map x8 launch", "map x8 fused u8"]
+            variants += ["map x8", "map x8 launch", "map x8 fused", "map x16 fused", "map x16 launch",
+                         "map x64", "map x64 fused"]
         if batch == 8:
             variants += ["map x2", "map x2 launch", "map x8 fused"]
         cells = [(v, False) for v in variants] + [("layer-off", True), ("layer-off launch", True),

@@ -26,24 +26,31 @@ def per_head_scales(x: torch.Tensor) -> torch.Tensor:
     return (x.float().abs().amax(dim=(0, 1, 3)) / 448).clamp_min(1e-8)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("splits,opts", [(1, {}), (3, dict(window=17, softcap=20.0)),
-                                         (1, dict(window=9, window_rule="ranges_unclipped"))],
-                         ids=["plain", "split-window-softcap", "unclipped"])
-def test_fp8_cache_matches_reference(dtype, splits, opts, device):
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+OPTS = {"plain": (1, {}), "split-window-softcap": (3, dict(window=17, softcap=20.0)),
+        "unclipped": (1, dict(window=9, window_rule="ranges_unclipped"))}
+# every dtype with every option at head_dim 64; a head_dim of 12 (padded to 16: fewer V
+# elements per thread than the conversion takes at once) with two of them
+CASES = [(o, d, 64) for d in DTYPES for o in OPTS] + [("plain", "fp16", 12), ("split-window-softcap", "bf16", 12)]
+
+
+@pytest.mark.parametrize("opt,dt,head_dim", CASES, ids=[f"{o}-{d}-d{h}" for o, d, h in CASES])
+def test_fp8_cache_matches_reference(opt, dt, head_dim, device):
+    dtype = DTYPES[dt]
+    splits, opts = OPTS[opt]
     seed = fresh_seed()
     rng, gen = rngs(seed)
     total = sum(s.q_len for s in SEQS)
     meta, _ = build_meta(SEQS, block_size=16, num_blocks=20, max_ranges=1, rng=rng, device=device, num_seqs=6,
                          num_tokens=total + 3)
-    k_exact = (torch.randn(20, 16, 2, 64, generator=gen) * torch.tensor([0.5, 4.0])[:, None]).to(device)
-    v_exact = (torch.randn(20, 16, 2, 64, generator=gen) * torch.tensor([2.0, 0.1])[:, None]).to(device)
-    k_new = (torch.randn(total + 3, 2, 64, generator=gen) * torch.tensor([0.5, 4.0])[:, None]).to(device, dtype)
-    v_new = (torch.randn(total + 3, 2, 64, generator=gen) * torch.tensor([2.0, 0.1])[:, None]).to(device, dtype)
+    k_exact = (torch.randn(20, 16, 2, head_dim, generator=gen) * torch.tensor([0.5, 4.0])[:, None]).to(device)
+    v_exact = (torch.randn(20, 16, 2, head_dim, generator=gen) * torch.tensor([2.0, 0.1])[:, None]).to(device)
+    k_new = (torch.randn(total + 3, 2, head_dim, generator=gen) * torch.tensor([0.5, 4.0])[:, None]).to(device, dtype)
+    v_new = (torch.randn(total + 3, 2, head_dim, generator=gen) * torch.tensor([2.0, 0.1])[:, None]).to(device, dtype)
     # calibrated as a user would: each head's largest |K| (|V|) over what the cache will hold
     k_scale = per_head_scales(torch.cat([k_exact.flatten(0, 1), k_new.float()])[None])
     v_scale = per_head_scales(torch.cat([v_exact.flatten(0, 1), v_new.float()])[None])
-    q = torch.randn(total + 3, 8, 64, generator=gen).to(device, dtype)
+    q = torch.randn(total + 3, 8, head_dim, generator=gen).to(device, dtype)
     k_cache = reference.quantize(k_exact.flatten(0, 1), k_scale).view(k_exact.shape)
     v_cache = reference.quantize(v_exact.flatten(0, 1), v_scale).view(v_exact.shape)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
