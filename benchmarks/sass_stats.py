@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--pdl", action="store_true", help="launched as a programmatic dependent")
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--maxnreg", type=int, default=None, help="a register cap (KernelConfig.maxnreg)")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--seqs", type=int, default=256, help="the decode bucket's sequences")
     args = parser.parse_args()
@@ -98,7 +99,8 @@ def main() -> None:
         constexprs = {(names.index(k),): v for k, v in const.items() if k in names}
         kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                 target=GPUTarget("cuda", args.arch, 32),
-                                options=dict(num_warps=args.warps, num_stages=args.stages))
+                                options=dict(num_warps=args.warps, num_stages=args.stages,
+                                             **({"maxnreg": args.maxnreg} if args.maxnreg else {})))
         if os.environ.get("GRAPHRT_DUMP_IR"):          # a directory: write the TTGIR and PTX there
             dump = Path(os.environ["GRAPHRT_DUMP_IR"])
             dump.mkdir(parents=True, exist_ok=True)

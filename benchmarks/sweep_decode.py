@@ -10,7 +10,8 @@ Variants (bf16 cache, 32/8 heads, head_dim 128, KV block 16, random block placem
     map            the decode launch's mapping (program p takes sequence p): the default
     pdl            ... launched as programmatic dependents (GRAPHRT_PDL=1)
     map n64        ... with 64-key tiles instead of 128
-    map s3         ... with 3 pipeline stages instead of 2
+    map sN         ... with N pipeline stages instead of 2
+    map rN         ... with at most N registers per thread (``KernelConfig.maxnreg``)
     map xN         ... with N splits instead of ``decode_splits``' pick
     ... launch     ... with the split-KV merge as a second launch (``fuse_merge=False``)
     ... fused      ... with the merge inside the attention launch (``fuse_merge=True``)
@@ -63,6 +64,8 @@ def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = F
             merge_rows = 16 * int(w[1:])
         elif w.startswith("n"):
             cfg = dataclasses.replace(cfg, block_n=int(w[1:]))
+        elif w.startswith("r"):
+            cfg = dataclasses.replace(cfg, maxnreg=int(w[1:]))
         elif w.startswith("s"):
             cfg = dataclasses.replace(cfg, num_stages=int(w[1:]))
         elif w.startswith("x"):
@@ -107,12 +110,13 @@ def main() -> None:
     env = ceilings(quick)
     rows = []
     for batch, ctx in shapes:
-        variants = ["map", "map launch", "map fused", "map fused u8", "map fused u2"]
+        variants = ["map", "map launch", "map fused"]
         if batch == 1:
-            variants += ["map x8", "map x8 launch", "map x8 fused", "map x16 fused", "map x16 launch",
-                         "map x64", "map x64 fused"]
+            variants += ["map x8 launch", "map x16 launch", "map x48 launch", "map x64", "map x64 fused",
+                         "map n64 r128", "map x64 n64 r128", "map x64 launch n64 r128", "map x48 launch n64 r128"]
         if batch == 8:
-            variants += ["map x2", "map x2 launch", "map x8 fused"]
+            variants += ["map x2", "map x8 fused", "map x6 launch", "map n64 r128", "map x8 fused n64 r128",
+                         "map x8 launch n64 r128"]
         cells = [(v, False) for v in variants] + [("layer-off", True), ("layer-off launch", True),
                                                   ("layer-off fused", True)]
         for name, layer in cells:

@@ -75,7 +75,7 @@ def _attend_key_tile(
 
     b_k = b_k.to(b_q.dtype)       # fp8 caches: e4m3 codes to q's dtype (their scale is folded in elsewhere)
     if KV_FP8 == FP8_PTX:
-        b_v = _e4m3_to_f16(b_v)
+        b_v = _e4m3_to_f16(b_v).to(b_q.dtype)     # (fp16 unless q is fp32: p @ v stays fp32 then)
     else:
         b_v = b_v.to(b_q.dtype)
     if IEEE_DOT:     # fp32 operands, full-precision products (fp32 caches; bf16 in the interpreter)

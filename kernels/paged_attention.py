@@ -97,6 +97,10 @@ class KernelConfig:
     # saved 1-5 us at batch 8; with 8-32 splits, one round per 4 of them, it cost up to 7
     # us more than the second launch at batch 1).
     fuse_merge: bool | None = None
+    # A cap on registers per thread (Triton's ``maxnreg``; None: the compiler's choice).
+    # Fewer registers let more programs share an SM, at the risk of spills
+    # (``benchmarks/sass_stats.py --maxnreg`` shows them).
+    maxnreg: int | None = None
 
 
 # (head_dim <= 128, element bytes) -> (decode config (block_n, warps, stages), mixed
@@ -323,7 +327,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
         SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
         KV_FP8=fp8_mode(fp8, device), FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=max_query_len == 1, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )
     if num_splits > 1 and not merge_now:
         _merge_kernel[(num_tokens, num_q_heads)](
