@@ -1,7 +1,5 @@
 """fp8 (e4m3) decode tiles: time of a decode launch over an fp8 cache for several
-(block_n, warps, stages) and both ways of converting the codes (``cast``: Triton's cast
-after the dot's operand read; ``ptx``: V converted by the hardware instruction before it is
-staged, the default from sm_89), beside the bf16 cache's default, in one run.
+(block_n, warps, stages), beside the bf16 cache's default, in one run.
 
     python benchmarks/sweep_fp8_decode.py [--out DIR]
 
@@ -13,7 +11,6 @@ placement); each figure is a CUDA-graph replay median (``time_ms``). Writes
 from __future__ import annotations
 
 import argparse
-import importlib
 from pathlib import Path
 
 import torch
@@ -22,12 +19,8 @@ from graphrt.bench.common import write
 from graphrt.bench.kernels import D, DT, HKV, HQ, _attend
 from graphrt.kernels.paged_attention import KernelConfig, default_config
 
-pa = importlib.import_module("graphrt.kernels.paged_attention")     # the module (the package exports the function)
-
 SHAPES = [(1, 1024), (8, 8192), (64, 32768), (256, 32768)]
-# (block_n, warps, stages) or None for the table's, and the conversion
-CONFIGS = [(None, "ptx"), (None, "cast"), ((128, 4, 3), "ptx"), ((128, 8, 2), "ptx"), ((64, 4, 2), "ptx"),
-           ((256, 8, 2), "ptx")]
+CONFIGS = [None, (128, 4, 3), (128, 8, 2), (256, 8, 2), (64, 4, 2)]
 
 
 def main() -> None:
@@ -43,23 +36,17 @@ def main() -> None:
         decode = ([1] * batch, [ctx - 1] * batch, [[]] * batch)
         bf16, splits = _attend(*decode, decode=True)
         rows.append(dict(impl="bf16_default", batch=batch, context=ctx, splits=splits, ms=bf16, of_bf16=1.0))
-        for c, convert in configs:
+        for c in configs:
             cfg = base if c is None else KernelConfig(block_q=base.block_q, block_n=c[0], num_warps=c[1],
                                                       num_stages=c[2])
-            mode = pa.fp8_mode
-            if convert == "cast":
-                pa.fp8_mode = lambda fp8, device: pa.FP8_CAST if fp8 else pa.FP8_NONE
             try:
                 ms, _ = _attend(*decode, decode=True, fp8=True, config=cfg)
             except Exception as exc:          # a config that does not compile or fit: recorded, not fatal
-                print(f"batch {batch} ctx {ctx} {c} {convert}: {type(exc).__name__}: {exc}"[:200])
+                print(f"batch {batch} ctx {ctx} {c}: {type(exc).__name__}: {exc}"[:200])
                 continue
-            finally:
-                pa.fp8_mode = mode
-            rows.append(dict(impl="fp8", convert=convert, block_n=cfg.block_n, num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages, default=c is None and convert == "ptx", batch=batch,
-                             context=ctx, splits=splits, ms=ms, of_bf16=ms / bf16))
-            print(f"batch {batch:4d} ctx {ctx:6d} fp8 {convert} {cfg.block_n:4d}/{cfg.num_warps}/{cfg.num_stages}: "
+            rows.append(dict(impl="fp8", block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                             default=c is None, batch=batch, context=ctx, splits=splits, ms=ms, of_bf16=ms / bf16))
+            print(f"batch {batch:4d} ctx {ctx:6d} fp8 {cfg.block_n:4d}/{cfg.num_warps}/{cfg.num_stages}: "
                   f"{1e3 * ms:8.1f} us = {ms / bf16:.3f} x bf16 ({1e3 * bf16:.1f} us)", flush=True)
     print(f"wrote {write(args.out, 'sweep_fp8_decode' if not quick else 'sweep_fp8_decode_quick', rows)}")
 

@@ -10,28 +10,6 @@ RULE_CLIP: tl.constexpr = tl.constexpr(0)
 RULE_TWO_SIDED: tl.constexpr = tl.constexpr(1)
 RULE_RANGES_UNCLIPPED: tl.constexpr = tl.constexpr(2)
 
-# How an e4m3 cache's codes become the dots' fp16 (paged_attention.fp8_mode, in that order):
-# none (not an fp8 cache), Triton's cast, or the hardware conversion (sm_89 and up) applied
-# to V before it is staged for the dot. V is the second operand of p @ v with its reduction
-# dim (keys) strided in memory, so the dot reads it transposed; Triton casts after that
-# read, from byte loads (128 per thread per 128-key tile), since ldmatrix transposes only
-# 16-bit elements. Converted first, V is staged as fp16 and read with ldmatrix .trans:
-# no byte loads, 193 registers instead of 255 with spills (sm_90, Triton 3.6,
-# benchmarks/sass_stats.py --fp8 --seqs 64).
-FP8_NONE: tl.constexpr = tl.constexpr(0)
-FP8_CAST: tl.constexpr = tl.constexpr(1)
-FP8_PTX: tl.constexpr = tl.constexpr(2)
-
-
-@triton.jit
-def _e4m3_to_f16(x):
-    """e4m3 codes to fp16 (exact: every e4m3 value is an fp16 value), four per two instructions.
-    Opaque to Triton's layout passes (not pure), so the conversion stays where it is
-    written instead of moving after the dot's operand read."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-
 
 @triton.jit
 def _attend_key_tile(
@@ -42,7 +20,7 @@ def _attend_key_tile(
     o_d, m_d,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
-    KV_FP8: tl.constexpr, MASKED: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) with key tile kt. MASKED=False is for tiles
     every row of the query tile sees in full (all keys causal, inside the window and
@@ -74,10 +52,7 @@ def _attend_key_tile(
         b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
 
     b_k = b_k.to(b_q.dtype)       # fp8 caches: e4m3 codes to q's dtype (their scale is folded in elsewhere)
-    if KV_FP8 == FP8_PTX:
-        b_v = _e4m3_to_f16(b_v).to(b_q.dtype)     # (fp16 unless q is fp32: p @ v stays fp32 then)
-    else:
-        b_v = b_v.to(b_q.dtype)
+    b_v = b_v.to(b_q.dtype)
     if IEEE_DOT:     # fp32 operands, full-precision products (fp32 caches; bf16 in the interpreter)
         b_s = tl.dot(b_q.to(tl.float32), b_k.to(tl.float32), input_precision="ieee")
     else:
@@ -141,7 +116,7 @@ def _attend_span(
     o_d, m_d,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
-    KV_FP8: tl.constexpr, MASKED: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """(acc, l_i, m_i) over a_count key tiles from a_start, then b_count from b_start. The
     masked tiles' two runs share one loop (one copy of the code to compile); the full
@@ -152,13 +127,13 @@ def _attend_span(
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
                 p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_FP8, True)
+                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, True)
     else:
         for kt in range(a_start, a_start + a_count):
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
                 p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_FP8, False)
+                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, False)
     return acc, l_i, m_i
 
 
@@ -307,7 +282,7 @@ def _attend_tile(
     # [BLOCK_M, HEAD_DIM_PAD]
     p_q = q_ptr + o_row.to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
     b_q = tl.load(p_q, mask=m_q[:, None] & m_d[None, :], other=0.0)
-    if KV_FP8 != FP8_NONE:       # K = codes * k_scale: folded into the logit scale; V's scale into the output
+    if KV_FP8:       # K = codes * k_scale: folded into the logit scale; V's scale into the output
         scale_log2e = scale_log2e * tl.load(k_scale_ptr + i_kvh)
         if q_ptr.dtype.element_ty == tl.bfloat16:
             # e4m3 -> fp16 is one conversion per two values and exact (e4m3 fits in fp16),
@@ -334,17 +309,17 @@ def _attend_tile(
         acc, l_i, m_i, st_lo, tl.maximum(lo_end - st_lo, 0), hi_start, tl.maximum(st_hi - hi_start, 0),
         b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_FP8, True)
+        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, True)
     full_start = tl.maximum(ft_lo, st_lo)
     acc, l_i, m_i = _attend_span(
         acc, l_i, m_i, full_start, tl.maximum(tl.minimum(ft_hi, st_hi) - full_start, 0), 0, 0,
         b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_FP8, False)
+        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, False)
 
     has_keys = l_i > 0.0
     b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if KV_FP8 != FP8_NONE:
+    if KV_FP8:
         b_o = b_o * tl.load(v_scale_ptr + i_kvh)
     o_tok_abs = o_row.to(tl.int64)
     m_out = m_row[:, None] & m_d[None, :]

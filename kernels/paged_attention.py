@@ -41,9 +41,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._attention_jit import (FP8_CAST, FP8_NONE, FP8_PTX, RULE_CLIP, RULE_RANGES_UNCLIPPED,  # noqa: F401
-                             RULE_TWO_SIDED, _PER_BUCKET, _attend_key_tile, _attend_span, _attend_tile, _attn_kernel,
-                             _merge_kernel)
+from ._attention_jit import (RULE_CLIP, RULE_RANGES_UNCLIPPED, RULE_TWO_SIDED, _PER_BUCKET,  # noqa: F401
+                             _attend_key_tile, _attend_span, _attend_tile, _attn_kernel, _merge_kernel)
 from ._checks import (CACHE_DTYPES, check_cache_dtypes, check_head_dim, check_kv_scales, check_runnable,
                       check_same_dtype, check_shape, check_tensor, pdl_supported)
 from .metadata import AttentionMetadata
@@ -116,6 +115,9 @@ _TABLE = {
 }
 # Split-KV factors allowed.
 MAX_SPLITS = 64
+# KernelConfig.maxnreg: a cap the compiler can meet for these kernels (with spills), up to
+# the hardware's 255 registers per thread.
+MAXNREG_RANGE = (64, 255)
 # KernelConfig.fuse_merge=None fuses the merge up to this many splits.
 FUSED_MERGE_MAX_SPLITS = 4
 # The fused merge loads this many rows of partial output at once (tile rows x splits).
@@ -157,16 +159,6 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = max(1, min(64, (2 * sms) // (num_seqs * num_kv_heads)))
     return 1 << (want.bit_length() - 1)
-
-
-def fp8_mode(fp8: bool, device: torch.device) -> int:
-    """The kernel's KV_FP8: FP8_NONE, FP8_PTX on GPUs with the e4m3 conversion instruction
-    (sm_89 and up), FP8_CAST elsewhere (the interpreter included)."""
-    if not fp8:
-        return FP8_NONE
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
-        return FP8_PTX
-    return FP8_CAST
 
 
 def split_workspace(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
@@ -255,6 +247,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qpk = num_q_heads // num_kv_heads
     cfg = config or default_config(head_dim, q.dtype, qpk, max_query_len=max_query_len, num_tokens=num_tokens)
     qpk_pad = triton.next_power_of_2(qpk)
+    if cfg.maxnreg is not None and (isinstance(cfg.maxnreg, bool) or not isinstance(cfg.maxnreg, int)
+                                    or not MAXNREG_RANGE[0] <= cfg.maxnreg <= MAXNREG_RANGE[1]):
+        raise ValueError(f"config.maxnreg must be None or an int in [{MAXNREG_RANGE[0]}, {MAXNREG_RANGE[1]}], "
+                         f"got {cfg.maxnreg!r}")
     if cfg.block_q * qpk_pad < 16:
         raise ValueError(f"config.block_q={cfg.block_q} gives {cfg.block_q * qpk_pad} tile rows, need >= 16")
 
@@ -326,7 +322,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_SOFTCAP=softcap is not None,
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
         SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
-        KV_FP8=fp8_mode(fp8, device), FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=max_query_len == 1, PDL=pdl,
+        KV_FP8=fp8, FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=max_query_len == 1, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )
     if num_splits > 1 and not merge_now:

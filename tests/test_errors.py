@@ -80,12 +80,16 @@ def _call(setup, **change):
      r"^workspace\[2\] must have dtype in \['torch.int32'\]"),
     (lambda s: dict(num_splits=2, workspace=split_workspace(6, 4, 64, 2, s["q"].device)[0]), TypeError,
      r"^workspace must be the tuple split_workspace"),
+    (lambda s: dict(config=KernelConfig(block_q=16, block_n=32, maxnreg=32)), ValueError,
+     r"^config.maxnreg must be None or an int in \[64, 255\], got 32"),
+    (lambda s: dict(config=KernelConfig(block_q=16, block_n=32, maxnreg=128.0)), ValueError,
+     r"^config.maxnreg must be None or an int in \[64, 255\], got 128.0"),
 ], ids=["q-int", "cache-dtype", "out-dtype", "q-fp16-caches-fp32", "q-dims", "v-shape", "out-shape", "q-strided",
         "heads", "head-dim", "q-rows-over-capacity", "q-rows-under-capacity", "head-dim-8", "head-dim-320", "cache-no-blocks",
         "window-rule", "ranges-int", "window-0", "window-float", "window-bool", "softcap-0", "softcap-inf",
         "softcap-nan", "softcap-bool", "scale-nan", "scale-inf", "scale-negative", "scale-tiny", "softcap-1e30", "splits-0", "splits-bool",
         "workspace", "workspace-no-counters", "workspace-counters-short", "workspace-counters-float",
-        "workspace-not-a-tuple"])
+        "workspace-not-a-tuple", "maxnreg-low", "maxnreg-float"])
 def test_paged_attention_rejects(setup, change, err, match):
     out_before = setup["out"].clone()
     with pytest.raises(err, match=match):

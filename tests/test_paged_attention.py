@@ -91,6 +91,9 @@ CASES = [
     # the fused merge past the default's split limit: several rounds of loads, the last partial
     Case("split-decode-fused-9", (S(1, 300, ((3, 100),)), S(1, 5), S(1, 130), S(1, 0)), splits=9,
          max_query_len=1, config=KernelConfig(block_q=4, block_n=16, fuse_merge=True)),
+    # a register cap (ignored by the interpreter; on the GPU the compiler meets it, spilling if need be)
+    Case("split-decode-register-cap", (S(1, 300, ((3, 100),)), S(1, 5), S(1, 130), S(1, 0)), splits=8,
+         max_query_len=1, config=KernelConfig(block_q=4, block_n=64, maxnreg=128)),
     # Small key tiles so that a window leaves tiles every row sees in full (the unmasked
     # path) between masked ones; large tiles as the GPU's prefill table uses.
     Case("full-tiles-window-unclipped", FULL_TILES, window=43, window_rule="ranges_unclipped",
