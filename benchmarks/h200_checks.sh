@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of a commit, in one go, for a machine with a CUDA device:
 #   bash benchmarks/h200_checks.sh OUT PART...
-# PART: tests | sanitizer | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | probe-step | probe-host |
+# PART: tests | sanitizer | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
 #       probe-ops | bench-host | bench-capture | bench-runtime |
-#       bench-kernels | sweep-fp8 | sweep-prefill | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime and probe-step compare with the tree in $BASE
+#       bench-kernels | sweep-fp8 | sweep-prefill | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime, ab-kernels (ROUNDS, default 1) and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base); JOBS: pytest workers for tests (default 10). Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
 #       failing part does not stop the others. GRAPHRT_COMMIT labels the JSONs.
@@ -33,6 +33,8 @@ for part in "$@"; do
     ab-runtime) for t in . "$base"; do (cd "$t" && python3 setup.py -q build_ext --inplace); done   # both with the C helper
                 timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which runtime \
                   --rounds 2 --harness a --out /tmp/ab_runtime && cp /tmp/ab_runtime/ab_runtime.json "$out/" ;;
+    ab-kernels) timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which kernels \
+                  --rounds "${ROUNDS:-1}" --harness a --out /tmp/ab_kernels && cp /tmp/ab_kernels/ab_kernels.json "$out/" ;;
     probe-step) new=$(site new .); old=$(site old "$base")
                 timeout "$limit" bash -c "for r in 1 2; do for s in $new $old; do PYTHONPATH=\$s:\${PYTHONPATH:-} \
                   python3 benchmarks/probe_step_gpu.py --label \$s | tail -n 1; done; done" ;;

@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--pdl", action="store_true", help="launched as a programmatic dependent")
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--offsets-64", action="store_true", help="64-bit cache offsets (a cache past 2**31 elements)")
     parser.add_argument("--maxnreg", type=int, default=None, help="a register cap (KernelConfig.maxnreg)")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--seqs", type=int, default=256, help="the decode bucket's sequences")
@@ -62,7 +63,7 @@ def main() -> None:
         const = dict(HEAD_DIM=args.head_dim, HEAD_DIM_PAD=1 << (args.head_dim - 1).bit_length(), KV_BLOCK_SIZE=16, QPK=4, QPK_PAD=4, BLOCK_Q=args.block_q,
                      BLOCK_N=args.block_n, SHORT_Q=args.short_q, SHORT_BLOCK_N=args.short_block_n, MAX_RANGES=8,
                      USE_WINDOW=args.window, WINDOW_RULE=0, USE_RANGES=True, USE_SOFTCAP=False,
-                     SPLIT=args.splits > 1, NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8,
+                     SPLIT=args.splits > 1, NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8, KV_OFF32=not args.offsets_64,
                      FUSE_MERGE=args.splits > 1 and not args.merge_launch,
                      MERGE_ROWS=args.merge_rows, DECODE_MAP=not args.mixed, PDL=args.pdl)
         # the values the runtime passes for a 256-sequence decode bucket (what Triton

@@ -20,7 +20,7 @@ def _attend_key_tile(
     o_d, m_d,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
-    MASKED: tl.constexpr,
+    KV_OFF32: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) with key tile kt. MASKED=False is for tiles
     every row of the query tile sees in full (all keys causal, inside the window and
@@ -36,8 +36,20 @@ def _attend_key_tile(
     # min does it (a negative id is a huge unsigned one), before the widening to int64.
     # (tl.cast, not .to: an int argument equal to 1 reaches the kernel as a Python int,
     # since Triton specialises it into a constant.)
-    i_blk = tl.minimum(i_blk.to(tl.uint32, bitcast=True), tl.cast(last_blk, tl.uint32)).to(tl.int64)
-    i_off = k_pos % KV_BLOCK_SIZE
+    i_blk = tl.minimum(i_blk.to(tl.uint32, bitcast=True), tl.cast(last_blk, tl.uint32))
+    # Offsets into the caches in 32 bits where every element's offset fits (KV_OFF32, the
+    # launch checks the caches' sizes and strides), else 64; the token offsets in a key tile
+    # repeat every block, so that they do not depend on the tile when it holds whole
+    # blocks. Together a third fewer instructions per key tile (sm_90, Triton 3.6: 410
+    # against 593 per warp for a 128-key decode tile).
+    if KV_OFF32:
+        i_blk = i_blk.to(tl.int32, bitcast=True)       # <= last_blk < 2**31
+    else:
+        i_blk = i_blk.to(tl.int64)
+    if BLOCK_N % KV_BLOCK_SIZE == 0:
+        i_off = tl.arange(0, BLOCK_N) % KV_BLOCK_SIZE      # key tiles start at multiples of BLOCK_N
+    else:
+        i_off = k_pos % KV_BLOCK_SIZE
     # K as [HEAD_DIM_PAD, BLOCK_N], V as [BLOCK_N, HEAD_DIM_PAD]
     p_k = k_head_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok)[None, :] + o_d[:, None]
     p_v = v_head_ptr + (i_blk * stride_v_blk + i_off * stride_v_tok)[:, None] + o_d[None, :]
@@ -116,7 +128,7 @@ def _attend_span(
     o_d, m_d,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
-    MASKED: tl.constexpr,
+    KV_OFF32: tl.constexpr, MASKED: tl.constexpr,
 ):
     """(acc, l_i, m_i) over a_count key tiles from a_start, then b_count from b_start. The
     masked tiles' two runs share one loop (one copy of the code to compile); the full
@@ -127,13 +139,13 @@ def _attend_span(
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
                 p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, True)
+                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, True)
     else:
         for kt in range(a_start, a_start + a_count):
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
                 p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, False)
+                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, False)
     return acc, l_i, m_i
 
 
@@ -199,7 +211,7 @@ def _attend_tile(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, FUSE_MERGE: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, KV_OFF32: tl.constexpr, FUSE_MERGE: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
 ):
     """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
@@ -309,13 +321,13 @@ def _attend_tile(
         acc, l_i, m_i, st_lo, tl.maximum(lo_end - st_lo, 0), hi_start, tl.maximum(st_hi - hi_start, 0),
         b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, True)
+        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, True)
     full_start = tl.maximum(ft_lo, st_lo)
     acc, l_i, m_i = _attend_span(
         acc, l_i, m_i, full_start, tl.maximum(tl.minimum(ft_hi, st_hi) - full_start, 0), 0, 0,
         b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, False)
+        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, False)
 
     has_keys = l_i > 0.0
     b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -368,7 +380,7 @@ def _attn_kernel(
     SHORT_Q: tl.constexpr, SHORT_BLOCK_N: tl.constexpr,
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, FUSE_MERGE: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, KV_OFF32: tl.constexpr, FUSE_MERGE: tl.constexpr,
     MERGE_ROWS: tl.constexpr, DECODE_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
@@ -446,7 +458,7 @@ def _attn_kernel(
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, SHORT_Q, SHORT_BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, FUSE_MERGE, MERGE_ROWS)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, KV_OFF32, FUSE_MERGE, MERGE_ROWS)
     else:
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
@@ -457,7 +469,7 @@ def _attn_kernel(
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
             stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, FUSE_MERGE, MERGE_ROWS)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, KV_OFF32, FUSE_MERGE, MERGE_ROWS)
 
 
 @triton.jit

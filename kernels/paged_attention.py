@@ -43,7 +43,7 @@ import triton
 
 from ._attention_jit import (RULE_CLIP, RULE_RANGES_UNCLIPPED, RULE_TWO_SIDED, _PER_BUCKET,  # noqa: F401
                              _attend_key_tile, _attend_span, _attend_tile, _attn_kernel, _merge_kernel)
-from ._checks import (CACHE_DTYPES, check_cache_dtypes, check_head_dim, check_kv_scales, check_runnable,
+from ._checks import (CACHE_DTYPES, MAX_HEAD_DIM, check_cache_dtypes, check_head_dim, check_kv_scales, check_runnable,
                       check_same_dtype, check_shape, check_tensor, pdl_supported)
 from .metadata import AttentionMetadata
 
@@ -173,6 +173,13 @@ def split_workspace(num_tokens: int, num_q_heads: int, head_dim: int, num_splits
     seqs = num_tokens if max_num_seqs is None else max_num_seqs
     counters = torch.zeros((num_tokens + seqs) * num_q_heads, dtype=torch.int32, device=device)
     return part_o, part_lse, counters
+
+
+def _offsets_fit_32(cache: torch.Tensor) -> bool:
+    """Whether every element's offset in ``cache`` (from its first element, by its strides)
+    fits in a signed 32-bit int, with room for a head dim padded to a power of two: the
+    attention kernel's KV_OFF32."""
+    return sum((n - 1) * st for n, st in zip(cache.shape, cache.stride())) + MAX_HEAD_DIM < 2 ** 31
 
 
 def _is_real(x: object) -> bool:
@@ -322,7 +329,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_SOFTCAP=softcap is not None,
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
         SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
-        KV_FP8=fp8, FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=max_query_len == 1, PDL=pdl,
+        KV_FP8=fp8, KV_OFF32=_offsets_fit_32(k_cache) and _offsets_fit_32(v_cache), FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=max_query_len == 1, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )
     if num_splits > 1 and not merge_now:

@@ -7,6 +7,7 @@ output with NaN, and checks that every valid element was written and no padded r
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 
 import pytest
@@ -75,6 +76,10 @@ CASES = [
     Case("softcap-largest-cap", RANGE_EDGES, softcap=1e6, q_scale=4.0),   # the same as no cap
     Case("no-range-slots", (S(20, 5), S(1, 40)), max_ranges=0),
     Case("block-size-32", (S(33, 31, ((40, 64),)), S(1, 64)), block_size=32),
+    # key tiles that do not hold whole blocks (a block's token offsets then follow the tile)
+    Case("block-size-32-key-tile-16", (S(33, 31, ((40, 64),)), S(1, 64), S(1, 100)), block_size=32,
+         config=KernelConfig(block_q=4, block_n=16)),
+    Case("block-size-24", (S(33, 31, ((40, 64),)), S(1, 64), S(1, 100)), block_size=24, splits=2),
     Case("head-dim-128", (S(17, 20, ((5, 30),)), S(1, 33)), heads=(4, 1), head_dim=128),
     Case("head-dim-256", (S(9, 20, ((5, 25),)), S(1, 33)), heads=(2, 1), head_dim=256),
     Case("head-dim-80", (S(17, 3), S(1, 40, ((10, 30),))), head_dim=80),
@@ -145,6 +150,32 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_paged_attention(case, dtype, device):
     run_case(case, dtype, device)
+
+
+OFFSET_CASES = ("decode-launch-split", "block-size-24", "large-tiles", "full-tiles-window-clip-split", "random")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in OFFSET_CASES], ids=lambda c: c.id)
+def test_paged_attention_64_bit_offsets(case, device, monkeypatch):
+    """Caches with an element past 2**31 take 64-bit offsets in the kernel (KV_OFF32 off).
+    Such caches are too large to make here, so the launch is told they are."""
+    monkeypatch.setattr(importlib.import_module("graphrt.kernels.paged_attention"), "_offsets_fit_32",
+                        lambda cache: False)
+    run_case(case, torch.float16, device)
+
+
+def test_offsets_fit_32():
+    """The check that picks 32-bit offsets reads shapes and strides only (meta tensors:
+    nothing is allocated), padded head dims included."""
+    fit = importlib.import_module("graphrt.kernels.paged_attention")._offsets_fit_32
+    room = 2 ** 31 - 256                     # MAX_HEAD_DIM of room for a padded head dim
+    assert fit(torch.empty(room // 2048, 16, 1, 128, device="meta"))
+    assert not fit(torch.empty(room // 2048 + 1, 16, 1, 128, device="meta"))
+    assert fit(torch.empty(1, 1, 1, room, device="meta"))
+    assert not fit(torch.empty(1, 1, 1, room + 1, device="meta"))
+    # strides, not sizes: one block of a cache strided as a far larger one
+    big = torch.empty(2, 16, 8, 128, device="meta").as_strided((2, 16, 8, 128), (2 ** 31, 1024, 128, 1))
+    assert not fit(big)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
