@@ -1,7 +1,7 @@
 """Prefill tiles: causal prefill time for several (rows, block_n, warps, stages) beside
 torch SDPA (causal, GQA) in one run.
 
-    python benchmarks/sweep_prefill.py [--out DIR]
+    python benchmarks/sweep_prefill.py [--out DIR] [--sizes 4096 16384]
 
 Shapes as ``graphrt bench kernels`` (bf16, 32/8 heads, head_dim 128, KV block 16, random
 block placement, one sequence of n new tokens). Writes ``sweep_prefill.json``: per row
@@ -29,9 +29,10 @@ CONFIGS = [None, (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="new tokens of the one sequence")
     args = parser.parse_args()
     quick = not torch.cuda.is_available()
-    sizes = [64] if quick else SIZES
+    sizes = [64] if quick else args.sizes
     configs = CONFIGS[:2] if quick else CONFIGS
     qpk = HQ // HKV
     rows = []
