@@ -27,7 +27,8 @@ def main() -> None:
     parser.add_argument("--splits", type=int, default=None)
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--merge", choices=("auto", "fused", "launch"), default="auto",
-                        help="the split-KV merge: as the config decides, inside the attention launch, or a second launch")
+                        help="the split-KV merge: as the config decides, inside the attention launch, or a "
+                             "second launch")
     args = parser.parse_args()
     b, ctx = args.batch, args.context
     meta, nblk = make_meta([1] * b, [ctx - 1] * b, [[]] * b)

@@ -60,10 +60,12 @@ def main() -> None:
         sys.path.insert(0, tmp)
         fn = importlib.import_module(package.name + ".paged_attention")._attn_kernel
         names = fn.arg_names
-        const = dict(HEAD_DIM=args.head_dim, HEAD_DIM_PAD=1 << (args.head_dim - 1).bit_length(), KV_BLOCK_SIZE=16, QPK=4, QPK_PAD=4, BLOCK_Q=args.block_q,
+        const = dict(HEAD_DIM=args.head_dim, HEAD_DIM_PAD=1 << (args.head_dim - 1).bit_length(), KV_BLOCK_SIZE=16,
+                     QPK=4, QPK_PAD=4, BLOCK_Q=args.block_q,
                      BLOCK_N=args.block_n, SHORT_Q=args.short_q, SHORT_BLOCK_N=args.short_block_n, MAX_RANGES=8,
                      USE_WINDOW=args.window, WINDOW_RULE=0, USE_RANGES=True, USE_SOFTCAP=False,
-                     SPLIT=args.splits > 1, NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8, KV_OFF32=not args.offsets_64,
+                     SPLIT=args.splits > 1, NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8,
+                     KV_OFF32=not args.offsets_64,
                      FUSE_MERGE=args.splits > 1 and not args.merge_launch,
                      MERGE_ROWS=args.merge_rows, DECODE_MAP=not args.mixed, PDL=args.pdl)
         # the values the runtime passes for a 256-sequence decode bucket (what Triton

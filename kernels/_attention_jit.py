@@ -33,7 +33,7 @@ def _attend_key_tile(
         i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk)
     # A block id outside the cache (hand-built metadata) reads the last block instead of
     # past the cache: garbage in, but never an out-of-bounds access. One unsigned 32-bit
-    # min does it (a negative id is a huge unsigned one), before the widening to int64.
+    # min does it (a negative id is a huge unsigned one), before any widening.
     # (tl.cast, not .to: an int argument equal to 1 reaches the kernel as a Python int,
     # since Triton specialises it into a constant.)
     i_blk = tl.minimum(i_blk.to(tl.uint32, bitcast=True), tl.cast(last_blk, tl.uint32))

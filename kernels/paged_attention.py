@@ -43,8 +43,8 @@ import triton
 
 from ._attention_jit import (RULE_CLIP, RULE_RANGES_UNCLIPPED, RULE_TWO_SIDED, _PER_BUCKET,  # noqa: F401
                              _attend_key_tile, _attend_span, _attend_tile, _attn_kernel, _merge_kernel)
-from ._checks import (CACHE_DTYPES, MAX_HEAD_DIM, check_cache_dtypes, check_head_dim, check_kv_scales, check_runnable,
-                      check_same_dtype, check_shape, check_tensor, pdl_supported)
+from ._checks import (CACHE_DTYPES, MAX_HEAD_DIM, check_cache_dtypes, check_head_dim, check_kv_scales,
+                      check_runnable, check_same_dtype, check_shape, check_tensor, pdl_supported)
 from .metadata import AttentionMetadata
 
 # How a sliding window and prefix ranges combine (see the module doc). The names say what
@@ -115,8 +115,8 @@ _TABLE = {
 }
 # Split-KV factors allowed.
 MAX_SPLITS = 64
-# KernelConfig.maxnreg: a cap the compiler can meet for these kernels (with spills), up to
-# the hardware's 255 registers per thread.
+# KernelConfig.maxnreg: from a cap the compiler meets by spilling to the hardware's 255
+# registers per thread.
 MAXNREG_RANGE = (64, 255)
 # KernelConfig.fuse_merge=None fuses the merge up to this many splits.
 FUSED_MERGE_MAX_SPLITS = 4
@@ -308,6 +308,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     head_dim_pad = triton.next_power_of_2(head_dim)
     pdl = pdl_supported(device, cfg.pdl)
+    off32 = _offsets_fit_32(k_cache) and _offsets_fit_32(v_cache)
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,
@@ -329,7 +330,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_SOFTCAP=softcap is not None,
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
         SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
-        KV_FP8=fp8, KV_OFF32=_offsets_fit_32(k_cache) and _offsets_fit_32(v_cache), FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=max_query_len == 1, PDL=pdl,
+        KV_FP8=fp8, KV_OFF32=off32, FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=max_query_len == 1,
+        PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )
     if num_splits > 1 and not merge_now:

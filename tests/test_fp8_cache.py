@@ -29,8 +29,8 @@ def per_head_scales(x: torch.Tensor) -> torch.Tensor:
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OPTS = {"plain": (1, {}), "split-window-softcap": (3, dict(window=17, softcap=20.0)),
         "unclipped": (1, dict(window=9, window_rule="ranges_unclipped"))}
-# every dtype with every option at head_dim 64; a head_dim of 12 (padded to 16: fewer V
-# elements per thread than the conversion takes at once) with two of them
+# every dtype with every option at head_dim 64; a head_dim of 12 (padded to 16 in the
+# kernel) with two of them
 CASES = [(o, d, 64) for d in DTYPES for o in OPTS] + [("plain", "fp16", 12), ("split-window-softcap", "bf16", 12)]
 
 

@@ -68,11 +68,11 @@ def attention_variants(ints_as_one: bool) -> list[Variant]:
                   WINDOW_RULE=0, IEEE_DOT=False)
     fp32 = dict(part_o_ptr="fp32", part_lse_ptr="fp32", k_scale_ptr="fp32", v_scale_ptr="fp32")
     everything = dict(common, BLOCK_Q=64, BLOCK_N=64, SHORT_Q=4, SHORT_BLOCK_N=128, USE_WINDOW=True,
-                      USE_RANGES=True, USE_SOFTCAP=True, SPLIT=True, KV_FP8=False, KV_OFF32=True, FUSE_MERGE=True, MERGE_ROWS=64,
-                      DECODE_MAP=False, PDL=True)
+                      USE_RANGES=True, USE_SOFTCAP=True, SPLIT=True, KV_FP8=False, KV_OFF32=True, FUSE_MERGE=True,
+                      MERGE_ROWS=64, DECODE_MAP=False, PDL=True)
     fp8 = dict(common, BLOCK_Q=4, BLOCK_N=128, SHORT_Q=0, SHORT_BLOCK_N=0, USE_WINDOW=False,
-               USE_RANGES=False, USE_SOFTCAP=False, SPLIT=False, KV_FP8=True, KV_OFF32=False, FUSE_MERGE=False, MERGE_ROWS=64,
-               DECODE_MAP=True, PDL=False)
+               USE_RANGES=False, USE_SOFTCAP=False, SPLIT=False, KV_FP8=True, KV_OFF32=False, FUSE_MERGE=False,
+               MERGE_ROWS=64, DECODE_MAP=True, PDL=False)
     halves = dict(fp32, q_ptr="fp16", out_ptr="fp16", k_cache_ptr="fp16", v_cache_ptr="fp16")
     e4m3 = dict(fp32, q_ptr="bf16", out_ptr="bf16", k_cache_ptr="fp8e4nv", v_cache_ptr="fp8e4nv")
     merge = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4, PDL=True)
