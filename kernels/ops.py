@@ -38,10 +38,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                     prefix_ranges: torch.Tensor, slot_mapping: torch.Tensor, part_o: torch.Tensor,
                     part_lse: torch.Tensor, counters: torch.Tensor, scale: Optional[float] = None,
-                    window: Optional[int] = None, window_rule: str = "clip", ranges: bool = True, softcap: Optional[float] = None,
-                    num_splits: int = 1,
-                    max_query_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-                    v_scale: Optional[torch.Tensor] = None) -> None:
+                    window: Optional[int] = None, window_rule: str = "clip", ranges: bool = True,
+                    softcap: Optional[float] = None, num_splits: int = 1, max_query_len: Optional[int] = None,
+                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """``graphrt.kernels.paged_attention`` with the metadata's tensors spelled out and the
     split workspace as its three tensors (empty ones: no workspace); writes ``out`` ([T, Hq, D])
     in place. The workspace is three required positional tensors, not Optional ones with

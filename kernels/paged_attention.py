@@ -28,9 +28,9 @@ counter per tile in the workspace, which that split resets) merges them into ``o
 the same launch (for at most FUSED_MERGE_MAX_SPLITS splits unless
 ``KernelConfig.fuse_merge`` says otherwise); or a second launch, ``_merge_kernel``, does.
 The split count is fixed at launch, the split lengths follow each step's contexts on the
-device. The count is not a compile-time constant of the attention kernel,
-so the decode buckets' split factors (1 to 64) share two variants of it (split or not),
-which keeps capture's compiles down.
+device. The count is not a compile-time constant of the attention kernel, so the decode
+buckets' split factors (1 to 64) share two variants of it (split or not), which keeps
+capture's compiles down.
 """
 
 from __future__ import annotations
@@ -91,10 +91,9 @@ class KernelConfig:
     # Split-KV launches: True, the tile's last split to finish merges the partials in the
     # same launch (a counter per tile in the workspace: ``split_workspace`` makes them);
     # False, a second launch (``_merge_kernel``) does. None: fused for at most
-    # FUSED_MERGE_MAX_SPLITS splits when the workspace has the counters (H200 sweep: the
-    # fused merge reads FUSED_MERGE_MAX_SPLITS splits' partials in one round of loads and
-    # saved 1-5 us at batch 8; with 8-32 splits, one round per 4 of them, it cost up to 7
-    # us more than the second launch at batch 1).
+    # FUSED_MERGE_MAX_SPLITS splits when the workspace has the counters (H200: in place it
+    # saved 1-5 us at batch 8, 4 splits; at batch 1 with 32 splits it cost 7 us more than
+    # the second launch, the SMs idle while one program per KV head merged: NOTES.md).
     fuse_merge: bool | None = None
     # A cap on registers per thread (Triton's ``maxnreg``; None: the compiler's choice).
     # Fewer registers let more programs share an SM, at the risk of spills
