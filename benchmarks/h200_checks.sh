@@ -4,7 +4,7 @@
 # PART: tests | sanitizer | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
 #       probe-ops | bench-host | bench-capture | bench-runtime |
 #       bench-kernels | sweep-fp8 | sweep-prefill | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime, ab-kernels (ROUNDS, default 1) and probe-step compare with the tree in $BASE
-#       (a `git archive` of an older commit; default .base); JOBS: pytest workers for tests (default 10). Each part runs under its own
+#       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options); JOBS: pytest workers for tests (default 10). Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
 #       failing part does not stop the others. GRAPHRT_COMMIT labels the JSONs.
 set -u
@@ -37,7 +37,7 @@ for part in "$@"; do
                   --rounds "${ROUNDS:-1}" --harness a --out /tmp/ab_kernels && cp /tmp/ab_kernels/ab_kernels.json "$out/" ;;
     probe-step) new=$(site new .); old=$(site old "$base")
                 timeout "$limit" bash -c "for r in 1 2; do for s in $new $old; do PYTHONPATH=\$s:\${PYTHONPATH:-} \
-                  python3 benchmarks/probe_step_gpu.py --label \$s | tail -n 1; done; done" ;;
+                  python3 benchmarks/probe_step_gpu.py ${PROBE_ARGS:-} --label \$s | tail -n 1; done; done" ;;
     probe-host) timeout "$limit" python3 benchmarks/probe_step_host.py --out "$out" ;;
     probe-ops) timeout "$limit" python3 benchmarks/probe_host_ops.py --out "$out" ;;
     bench-host) timeout "$limit" python3 -m graphrt bench host --out "$out" ;;

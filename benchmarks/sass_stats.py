@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--offsets-64", action="store_true", help="64-bit cache offsets (a cache past 2**31 elements)")
     parser.add_argument("--maxnreg", type=int, default=None, help="a register cap (KernelConfig.maxnreg)")
+    parser.add_argument("--write-kv", action="store_true", help="the launch writes the new K/V (paged_attention's new_kv)")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--seqs", type=int, default=256, help="the decode bucket's sequences")
     args = parser.parse_args()
@@ -67,13 +68,15 @@ def main() -> None:
                      SPLIT=args.splits > 1, NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8,
                      KV_OFF32=not args.offsets_64,
                      FUSE_MERGE=args.splits > 1 and not args.merge_launch,
-                     MERGE_ROWS=args.merge_rows, DECODE_MAP=not args.mixed, PDL=args.pdl)
+                     MERGE_ROWS=args.merge_rows, DECODE_MAP=not args.mixed, WRITE_KV=args.write_kv, ROUND_E4M3=False,
+                     PDL=args.pdl)
         # the values the runtime passes for a 256-sequence decode bucket (what Triton
         # specialises on: == 1, divisible by 16)
         ints = dict(stride_q_tok=4096, stride_q_head=128, stride_k_blk=16384, stride_k_tok=1024, stride_k_head=128,
                     stride_v_blk=16384, stride_v_tok=1024, stride_v_head=128, stride_o_tok=4096, stride_o_head=128,
                     stride_bt_seq=1, stride_bt_blk=args.seqs, stride_po_tok=4096, stride_po_head=128, stride_po_split=0,
-                    stride_pl_tok=4096, stride_pl_head=128, window=32, max_num_seqs=args.seqs, num_q_rows=args.seqs,
+                    stride_pl_tok=4096, stride_pl_head=128, stride_kn_tok=1024, stride_kn_head=128,
+                    stride_vn_tok=1024, stride_vn_head=128, window=32, max_num_seqs=args.seqs, num_q_rows=args.seqs,
                     num_blocks=18432, max_blocks_per_seq=68, merge_now=0 if args.merge_launch else 1)
         fixed = {n for i, n in enumerate(names) if i in fn.do_not_specialize or n in fn.do_not_specialize}
         signature, attrs = {}, {}
@@ -82,10 +85,12 @@ def main() -> None:
                 signature[n] = "constexpr"
             elif n in ("k_cache_ptr", "v_cache_ptr"):
                 signature[n] = "*fp8e4nv" if args.fp8 else "*" + args.q_dtype
-            elif n in ("q_ptr", "out_ptr"):
+            elif n in ("q_ptr", "out_ptr", "k_new_ptr", "v_new_ptr"):
                 signature[n] = "*" + args.q_dtype
             elif n in ("part_o_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr"):
                 signature[n] = "*fp32"
+            elif n == "slot_mapping_ptr":
+                signature[n] = "*i64"
             elif n.endswith("_ptr"):
                 signature[n] = "*i32"
             elif n in ("scale_log2e", "softcap"):

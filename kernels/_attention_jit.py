@@ -5,6 +5,8 @@ its kernels before a capture (``graphrt.capture.precompile``) start without torc
 import triton
 import triton.language as tl
 
+from ._kv_write_jit import _to_e4m3_values
+
 # Window rules (paged_attention.WINDOW_RULES, in that order)
 RULE_CLIP: tl.constexpr = tl.constexpr(0)
 RULE_TWO_SIDED: tl.constexpr = tl.constexpr(1)
@@ -150,6 +152,37 @@ def _attend_span(
 
 
 @triton.jit
+def _write_new_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                  i_kvh, q_start, ctx_len, w_lo, w_hi, num_q_rows, num_slots,
+                  stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
+                  stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
+                  o_d, m_d, KV_BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, ROUND_E4M3: tl.constexpr,
+                  ROWS: tl.constexpr):
+    """KV head i_kvh of the sequence's new keys at positions [w_lo, w_hi) (>= ctx_len: key
+    p is token q_start + p - ctx_len) into the caches at their ``slot_mapping`` slots, as
+    ``write_kv`` writes them (slots outside the cache and tokens outside q's rows skipped)."""
+    for w in range(w_lo, w_hi, ROWS):
+        o_p = w + tl.arange(0, ROWS)
+        o_t = q_start + (o_p - ctx_len)
+        m_t = (o_p < w_hi) & (o_t >= 0) & (o_t < num_q_rows)
+        slot = tl.load(slot_mapping_ptr + o_t, mask=m_t, other=-1)
+        m_t = m_t & (slot >= 0) & (slot < num_slots)
+        m = m_t[:, None] & m_d[None, :]
+        o_t = o_t.to(tl.int64)
+        b_k = tl.load(k_new_ptr + o_t[:, None] * stride_kn_tok + i_kvh * stride_kn_head + o_d[None, :], mask=m)
+        b_v = tl.load(v_new_ptr + o_t[:, None] * stride_vn_tok + i_kvh * stride_vn_head + o_d[None, :], mask=m)
+        if KV_FP8:
+            b_k = _to_e4m3_values(b_k, tl.load(k_scale_ptr + i_kvh), ROUND_E4M3)
+            b_v = _to_e4m3_values(b_v, tl.load(v_scale_ptr + i_kvh), ROUND_E4M3)
+        i_blk = slot // KV_BLOCK_SIZE
+        i_off = slot % KV_BLOCK_SIZE
+        p_kc = k_cache_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok + i_kvh * stride_k_head)[:, None] + o_d[None, :]
+        p_vc = v_cache_ptr + (i_blk * stride_v_blk + i_off * stride_v_tok + i_kvh * stride_v_head)[:, None] + o_d[None, :]
+        tl.store(p_kc, b_k.to(k_cache_ptr.dtype.element_ty), mask=m)
+        tl.store(p_vc, b_v.to(v_cache_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_pl, m_row, m_out, num_active,
                 stride_po_split, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr):
     """The split-KV merge inside the attention launch: every active split of a query tile
@@ -196,7 +229,8 @@ def _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_p
 def _attend_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-    i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now,
+    k_new_ptr, v_new_ptr, slot_mapping_ptr,
+    i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now, num_slots,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -204,6 +238,7 @@ def _attend_tile(
     stride_bt_seq, stride_bt_blk,
     stride_po_tok, stride_po_head, stride_po_split,
     stride_pl_tok, stride_pl_head,
+    stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
     scale_log2e, softcap, window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
@@ -212,12 +247,13 @@ def _attend_tile(
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, KV_OFF32: tl.constexpr, FUSE_MERGE: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, WRITE_KV: tl.constexpr, ROUND_E4M3: tl.constexpr,
 ):
     """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
     sequence over this split's share of its visible key tiles; writes the output, or the
     partial output and log-sum-exp of its split (for ``_merge_kernel``, or with FUSE_MERGE
-    for the tile's last split to finish, which merges them, see ``_merge_tile``)."""
+    for the tile's last split to finish, which merges them, see ``_merge_tile``). With
+    WRITE_KV it first writes the new tokens' K/V that its key tiles hold into the caches."""
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
     ctx_len = seq_len - q_len
@@ -290,6 +326,20 @@ def _attend_tile(
         if FUSE_MERGE and merge_now != 0 and i_split >= tl.maximum(num_active, 1):
             return
         m_q = m_row & (st_lo + o_m * 0 < st_hi)    # (a vector compare: the interpreter takes no scalar in a mask)
+    if WRITE_KV:
+        # The launch writes the step's new K/V (a decode launch: one token per sequence, in
+        # the last key tile). Each program writes those its own key tiles hold, from
+        # position ctx_len up to seq_len (past k_hi too: the tile loads them), then reads
+        # them back from the cache after the barrier; programs whose tiles overlap write the
+        # same values to the same slots. Every new key lies in the key tiles of the query
+        # tile that holds its token (the diagonal), so every one is written.
+        _write_new_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                      i_kvh, q_start, ctx_len, tl.maximum(st_lo * BLOCK_N, ctx_len),
+                      tl.minimum(st_hi * BLOCK_N, seq_len), num_q_rows, num_slots,
+                      stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
+                      stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
+                      o_d, m_d, KV_BLOCK_SIZE, KV_FP8, ROUND_E4M3, BLOCK_Q)
+        tl.debug_barrier()
 
     # [BLOCK_M, HEAD_DIM_PAD]
     p_q = q_ptr + o_row.to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
@@ -364,6 +414,7 @@ _PER_BUCKET = ["max_num_seqs", "num_q_rows", "stride_bt_blk", "stride_po_tok", "
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
+    k_new_ptr, v_new_ptr, slot_mapping_ptr,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -371,6 +422,7 @@ def _attn_kernel(
     stride_bt_seq, stride_bt_blk,
     stride_po_tok, stride_po_head, stride_po_split,
     stride_pl_tok, stride_pl_head,
+    stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
     scale_log2e, softcap, window,
     max_num_seqs, num_q_rows, num_blocks, max_blocks_per_seq, merge_now,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -381,7 +433,8 @@ def _attn_kernel(
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, KV_OFF32: tl.constexpr, FUSE_MERGE: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, DECODE_MAP: tl.constexpr, PDL: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, DECODE_MAP: tl.constexpr, WRITE_KV: tl.constexpr, ROUND_E4M3: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:
         # launched as a programmatic dependent of the kernel before it: wait for that one
@@ -445,6 +498,7 @@ def _attn_kernel(
     seq_len = tl.minimum(tl.load(seq_lens_ptr + i_seq).to(tl.uint32, bitcast=True),
                          tl.cast(max_blocks_per_seq * KV_BLOCK_SIZE, tl.uint32)).to(tl.int32, bitcast=True)
     last_blk = num_blocks - 1
+    num_slots = tl.cast(num_blocks, tl.int64) * KV_BLOCK_SIZE
 
     if SHORT_Q > 0 and q_len <= SHORT_Q:
         # A decode (or short chunk) inside a launch tiled for prefills: a tile of SHORT_Q
@@ -452,24 +506,30 @@ def _attn_kernel(
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-            i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now,
+            k_new_ptr, v_new_ptr, slot_mapping_ptr,
+            i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now, num_slots,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
-            stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
+            stride_pl_tok, stride_pl_head, stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
+            scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, SHORT_Q, SHORT_BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, KV_OFF32, FUSE_MERGE, MERGE_ROWS)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, KV_OFF32, FUSE_MERGE, MERGE_ROWS,
+            WRITE_KV, ROUND_E4M3)
     else:
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-            i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now,
+            k_new_ptr, v_new_ptr, slot_mapping_ptr,
+            i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now, num_slots,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
             stride_bt_seq, stride_bt_blk, stride_po_tok, stride_po_head, stride_po_split,
-            stride_pl_tok, stride_pl_head, scale_log2e, softcap, window,
+            stride_pl_tok, stride_pl_head, stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
+            scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
-            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, KV_OFF32, FUSE_MERGE, MERGE_ROWS)
+            USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, KV_OFF32, FUSE_MERGE, MERGE_ROWS,
+            WRITE_KV, ROUND_E4M3)
 
 
 @triton.jit

@@ -22,6 +22,17 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
+def _to_e4m3_values(x, scale, ROUND_E4M3: tl.constexpr):
+    """What an fp8 cache stores for x: x / scale (IEEE division, as the reference),
+    saturated to e4m3's range, in fp32; rounded to e4m3 here with ROUND_E4M3 (the
+    interpreter), by the store's conversion otherwise."""
+    x = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+    if ROUND_E4M3:
+        x = _round_to_e4m3(x)
+    return x
+
+
+@triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
@@ -47,15 +58,10 @@ def _write_kv_kernel(
     # [HEADS_PAD, HEAD_DIM_PAD]
     b_k = tl.load(k_ptr + i_tok.to(tl.int64) * stride_k_tok + o_h[:, None] * stride_k_head + o_d[None, :], mask=m)
     b_v = tl.load(v_ptr + i_tok.to(tl.int64) * stride_v_tok + o_h[:, None] * stride_v_head + o_d[None, :], mask=m)
-    if QUANTIZE:     # x / scale[h] (IEEE division, as the reference), saturated to e4m3's range
+    if QUANTIZE:
         m_h = o_h < NUM_KV_HEADS
-        k_s = tl.load(k_scale_ptr + o_h, mask=m_h, other=1.0)[:, None]
-        v_s = tl.load(v_scale_ptr + o_h, mask=m_h, other=1.0)[:, None]
-        b_k = tl.minimum(tl.maximum(tl.div_rn(b_k.to(tl.float32), k_s), -448.0), 448.0)
-        b_v = tl.minimum(tl.maximum(tl.div_rn(b_v.to(tl.float32), v_s), -448.0), 448.0)
-        if ROUND_E4M3:
-            b_k = _round_to_e4m3(b_k)
-            b_v = _round_to_e4m3(b_v)
+        b_k = _to_e4m3_values(b_k, tl.load(k_scale_ptr + o_h, mask=m_h, other=1.0)[:, None], ROUND_E4M3)
+        b_v = _to_e4m3_values(b_v, tl.load(v_scale_ptr + o_h, mask=m_h, other=1.0)[:, None], ROUND_E4M3)
     p_kc = k_cache_ptr + i_blk * stride_kc_blk + i_off * stride_kc_tok + o_h[:, None] * stride_kc_head + o_d[None, :]
     p_vc = v_cache_ptr + i_blk * stride_vc_blk + i_off * stride_vc_tok + o_h[:, None] * stride_vc_head + o_d[None, :]
     tl.store(p_kc, b_k.to(k_cache_ptr.dtype.element_ty), mask=m)

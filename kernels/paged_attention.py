@@ -31,6 +31,12 @@ The split count is fixed at launch, the split lengths follow each step's context
 device. The count is not a compile-time constant of the attention kernel, so the decode
 buckets' split factors (1 to 64) share two variants of it (split or not), which keeps
 capture's compiles down.
+
+KV write in the launch (``new_kv``, decode launches): each program first writes the new
+tokens' K/V that its key tiles hold into the caches (at ``slot_mapping``, as ``write_kv``
+does), then reads them back with its other keys after a barrier of its threads; programs
+whose key tiles overlap write the same bytes to the same slots. A decode layer's attention
+is then one launch (two with a merge launch) instead of a write and an attention.
 """
 
 from __future__ import annotations
@@ -190,7 +196,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     window_rule: str = "clip", ranges: bool = True, softcap: float | None = None, num_splits: int = 1,
                     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
                     max_query_len: int | None = None, config: KernelConfig | None = None,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of the step's new tokens over their paged K/V; writes ``out`` in place.
 
     q:       [T, Hq, D] new-token queries (T = token capacity of this launch).
@@ -211,6 +218,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
              here when None (pass them when capturing, so the graph owns fixed buffers);
              (part_o, part_lse) without counters: the merge is a second launch.
     max_query_len: a capacity hint (1 for decode-only launches) that picks the tile shape.
+    new_kv:  (k, v), the step's new K and V ([T, Hkv, D], q's dtype), for decode launches
+             (``max_query_len=1``): the launch writes them into the caches itself, at
+             ``meta.slot_mapping`` as ``write_kv`` would (quantized alike for fp8), so that
+             a decode layer needs no separate write. It writes the tokens of the metadata's
+             sequences (every token of a Step); a row outside them is left to ``write_kv``.
     """
     check_tensor("meta", meta.seq_lens, dim=1, dtypes=(torch.int32,))
     device = meta.device
@@ -250,6 +262,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
+    if new_kv is not None:
+        if not isinstance(new_kv, (tuple, list)) or len(new_kv) != 2:
+            raise TypeError(f"new_kv must be a pair (k, v) of [T, Hkv, D] tensors, got {type(new_kv).__name__}")
+        for i, t in enumerate(new_kv):
+            check_tensor(f"new_kv[{i}]", t, dim=3, dtypes=(q.dtype,), device=device)
+            check_shape(f"new_kv[{i}]", t, (num_tokens, num_kv_heads, head_dim))
+        if max_query_len != 1:
+            raise ValueError(f"new_kv (the launch writes the new K/V) is for decode launches (max_query_len=1), got "
+                             f"max_query_len={max_query_len!r}: call write_kv before the others")
+        check_tensor("meta.slot_mapping", meta.slot_mapping, dim=1, dtypes=(torch.int64,), device=device)
     qpk = num_q_heads // num_kv_heads
     cfg = config or default_config(head_dim, q.dtype, qpk, max_query_len=max_query_len, num_tokens=num_tokens)
     qpk_pad = triton.next_power_of_2(qpk)
@@ -308,10 +330,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_dim_pad = triton.next_power_of_2(head_dim)
     pdl = pdl_supported(device, cfg.pdl)
     off32 = _offsets_fit_32(k_cache) and _offsets_fit_32(v_cache)
+    k_new, v_new = new_kv if new_kv is not None else (out, out)     # (unused without WRITE_KV)
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,
-        k_scale if fp8 else out, v_scale if fp8 else out, counters,
+        k_scale if fp8 else out, v_scale if fp8 else out, counters, k_new, v_new, meta.slot_mapping,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -319,6 +342,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         meta.block_table.stride(0), meta.block_table.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2) if num_splits > 1 else 0,
         part_lse.stride(0), part_lse.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         float(scale) * 1.4426950408889634, float(softcap or 1.0), min(window or 0, MAX_WINDOW),
         max_num_seqs, num_tokens, num_blocks, meta.block_table.shape[1], int(merge_now),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=block_size,
@@ -330,7 +354,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
         SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
         KV_FP8=fp8, KV_OFF32=off32, FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=max_query_len == 1,
-        PDL=pdl,
+        WRITE_KV=new_kv is not None, ROUND_E4M3=fp8 and device.type == "cpu", PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )
     if num_splits > 1 and not merge_now:

@@ -84,17 +84,28 @@ def _call(setup, **change):
      r"^config.maxnreg must be None or an int in \[64, 255\], got 32"),
     (lambda s: dict(config=KernelConfig(block_q=16, block_n=32, maxnreg=128.0)), ValueError,
      r"^config.maxnreg must be None or an int in \[64, 255\], got 128.0"),
+    (lambda s: dict(new_kv=torch.randn(6, 2, 64, device=s["q"].device), max_query_len=1), TypeError,
+     r"^new_kv must be a pair \(k, v\)"),
+    (lambda s: dict(new_kv=(torch.randn(6, 2, 64, device=s["q"].device),) * 2), ValueError,
+     r"^new_kv \(the launch writes the new K/V\) is for decode launches \(max_query_len=1\), got "
+     r"max_query_len=None"),
+    (lambda s: dict(new_kv=(torch.randn(6, 2, 64, device=s["q"].device), torch.randn(5, 2, 64, device=s["q"].device)),
+                    max_query_len=1), ValueError, r"^new_kv\[1\] must have shape \(6, 2, 64\)"),
+    (lambda s: dict(new_kv=(torch.randn(6, 2, 64, device=s["q"].device).half(),) * 2, max_query_len=1), TypeError,
+     r"^new_kv\[0\] must have dtype in \['torch.float32'\]"),
 ], ids=["q-int", "cache-dtype", "out-dtype", "q-fp16-caches-fp32", "q-dims", "v-shape", "out-shape", "q-strided",
         "heads", "head-dim", "q-rows-over-capacity", "q-rows-under-capacity", "head-dim-8", "head-dim-320", "cache-no-blocks",
         "window-rule", "ranges-int", "window-0", "window-float", "window-bool", "softcap-0", "softcap-inf",
         "softcap-nan", "softcap-bool", "scale-nan", "scale-inf", "scale-negative", "scale-tiny", "softcap-1e30", "splits-0", "splits-bool",
         "workspace", "workspace-no-counters", "workspace-counters-short", "workspace-counters-float",
-        "workspace-not-a-tuple", "maxnreg-low", "maxnreg-float"])
+        "workspace-not-a-tuple", "maxnreg-low", "maxnreg-float", "new-kv-not-a-pair", "new-kv-not-decode",
+        "new-kv-shape", "new-kv-dtype"])
 def test_paged_attention_rejects(setup, change, err, match):
-    out_before = setup["out"].clone()
+    before = {name: setup[name].clone() for name in ("out", "k_cache", "v_cache")}
     with pytest.raises(err, match=match):
         _call(setup, **change(setup))
-    assert torch.equal(setup["out"].nan_to_num(), out_before.nan_to_num()), "out was touched by a rejected call"
+    for name, t in before.items():
+        assert torch.equal(setup[name].nan_to_num(), t.nan_to_num()), f"{name} was touched by a rejected call"
 
 
 def test_metadata_rejects(setup):

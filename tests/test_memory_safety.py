@@ -120,12 +120,15 @@ ANY64 = st.one_of(st.integers(-4, 300), st.sampled_from([-1, 2 ** 62, -(2 ** 62)
        max_ranges=st.integers(0, 2), splits=st.sampled_from([1, 1, 2]),
        window=st.sampled_from([None, 1, 5, 2 ** 40]),
        window_rule=st.sampled_from(["clip", "two_sided", "ranges_unclipped"]), ranges=st.booleans(),
-       softcap=st.sampled_from([None, 3.0]), max_query_len=st.sampled_from([None, 1]), fuse_merge=st.booleans())
+       softcap=st.sampled_from([None, 3.0]), max_query_len=st.sampled_from([None, 1]), fuse_merge=st.booleans(),
+       write_in_launch=st.booleans())
 def test_garbage_metadata_stays_inside(data, num_seqs, num_tokens, max_blocks, max_ranges, splits, window,
-                                       window_rule, ranges, softcap, max_query_len, fuse_merge, device):
+                                       window_rule, ranges, softcap, max_query_len, fuse_merge, write_in_launch,
+                                       device):
     """Arbitrary metadata values (negative, huge, unsorted, out of range): write_kv and
-    paged_attention return, and write nothing outside the caches, out and the workspace.
-    What they compute from such input is unspecified."""
+    paged_attention (a decode launch writing the new K/V itself too) return, and write
+    nothing outside the caches, out and the workspace. What they compute from such input
+    is unspecified."""
     ints = lambda n, s=ANY32: torch.tensor(data.draw(st.lists(s, min_size=n, max_size=n)), dtype=torch.int64)
     # The block table sits in a wider tensor whose extra rows and columns name a poison
     # block (NaN K/V) that no drawn id reaches, even clamped: NaN in the output means a
@@ -154,9 +157,12 @@ def test_garbage_metadata_stays_inside(data, num_seqs, num_tokens, max_blocks, m
         if not fuse_merge:
             workspace = workspace[:2]
 
-    write_kv(k_new, k_new, k_cache, v_cache, meta)
+    write_in_launch = write_in_launch and max_query_len == 1
+    if not write_in_launch:
+        write_kv(k_new, k_new, k_cache, v_cache, meta)
     paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, workspace=workspace, window=window,
                     window_rule=window_rule, ranges=ranges, softcap=softcap, max_query_len=max_query_len,
+                    new_kv=(k_new, k_new) if write_in_launch else None,
                     config=None if fuse_merge else replace(default_config(16, torch.float32, 2,
                                                                           max_query_len=max_query_len),
                                                            fuse_merge=False))

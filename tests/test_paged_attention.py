@@ -204,6 +204,47 @@ def test_write_then_attend(dtype, device):
     assert_close("out", out[:total], reference.paged_attention(q, k_ref, v_ref, meta), *TOL[dtype], seed)
 
 
+# (sequences, splits, config): decodes at block edges and across many key tiles; longer
+# query runs in a decode launch (hand-built metadata, tiles of 4 tokens: later tiles read
+# new keys that earlier tiles' programs write too); the merge in place and as a launch
+WRITE_CASES = [
+    ((S(1, 0), S(1, 15), S(1, 16), S(1, 130, ((3, 100),)), S(1, 47)), 1, None),
+    ((S(1, 200, ((3, 100),)), S(1, 5), S(1, 130), S(1, 0)), 3, None),
+    ((S(1, 300), S(1, 5), S(1, 64)), 9, KernelConfig(block_q=4, block_n=16, fuse_merge=True)),
+    ((S(1, 300), S(1, 31)), 5, KernelConfig(block_q=4, block_n=32, fuse_merge=False)),
+    ((S(1, 20), S(9, 3, ((0, 5),)), S(0, 4), S(17, 30), S(6, 0)), 2, KernelConfig(block_q=4, block_n=16)),
+    (None, 4, None),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqs,splits,config", WRITE_CASES)
+def test_decode_launch_writes_new_kv(seqs, splits, config, dtype, device):
+    """``new_kv``: a decode launch writes the new K/V into the caches itself (the same bytes
+    as ``write_kv``) and attends over them (the float64 reference of write, then attend)."""
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    seqs = list(seqs) if seqs else [S(1, int(c)) for c in rng.integers(0, 400, int(rng.integers(1, 9)))]
+    total = sum(s.q_len for s in seqs)
+    num_blocks = sum(-(-s.seq_len // 16) for s in seqs) + 4
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=num_blocks, max_ranges=2, rng=rng, device=device,
+                         num_seqs=len(seqs) + 2, num_tokens=total + 3)
+    cache = lambda: torch.randn(num_blocks, 16, 2, 64, generator=gen).to(device=device, dtype=dtype)
+    k_cache, v_cache = cache(), cache()
+    k_new, v_new, q = (torch.randn(total + 3, h, 64, generator=gen).to(device=device, dtype=dtype)
+                       for h in (2, 2, 8))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k_new, v_new, k_ref, v_ref, meta.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+
+    paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, config=config, max_query_len=1,
+                    new_kv=(k_new, v_new))
+
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"cache write differs (seed={seed})"
+    assert_close("out", out[:total], reference.paged_attention(q, k_ref, v_ref, meta), *TOL[dtype], seed)
+    assert torch.isnan(out[total:]).all(), f"padded rows of out were written (seed={seed})"
+
+
 def refill(fixed: dict[str, torch.Tensor], new) -> None:
     """Put ``new`` metadata into the fixed tensors in place (zero-padded), as a runtime's
     buffers are between replays of one launch."""
