@@ -148,7 +148,9 @@ class _Pool:
     process looks up. The workers are plain subprocesses, not multiprocessing's: spawning
     those would import the caller's main script again in every worker."""
 
-    MODULES = ("graphrt.kernels._attention_jit", "graphrt.kernels._kv_write_jit")
+    # in this order: _attention_jit imports from _kv_write_jit, which must be loaded by then
+    # (a relative import of a module not yet loaded would import the package, and torch)
+    MODULES = ("graphrt.kernels._kv_write_jit", "graphrt.kernels._attention_jit")
 
     def __init__(self, target: tuple, workers: int):
         import subprocess
