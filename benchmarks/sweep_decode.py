@@ -19,7 +19,8 @@ Variants (bf16 cache, 32/8 heads, head_dim 128, KV block 16, random block placem
 
 and a layer-like graph, ``layer-off`` (``layer-pdl`` with PDL on; ``launch`` / ``fused``
 words as above): a torch kernel (standing for the projections), the KV write, then
-attention (+ merge), per call. The run measures the variants in ``main``; the words
+attention (+ merge), per call; with ``kvin`` the attention launch writes the K/V itself
+(``new_kv``, as the runtime's decode buckets do). The run measures the variants in ``main``; the words
 combine freely. Writes
 ``sweep_decode.json``: per row ms, TB/s read and ``of_copy``.
 """
@@ -53,6 +54,7 @@ def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = F
     pdl = words[0] in ("pdl", "layer-pdl")
     cfg = dataclasses.replace(cfg, pdl=pdl)
     merge_rows = pa._MERGE_ROWS
+    kv_in_launch = "kvin" in words
     if words[0] == "search":
         max_query_len = None
     for w in words[1:]:
@@ -60,6 +62,8 @@ def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = F
             cfg = dataclasses.replace(cfg, fuse_merge=False)
         elif w == "fused":
             cfg = dataclasses.replace(cfg, fuse_merge=True)
+        elif w == "kvin":
+            pass
         elif w.startswith("u"):
             merge_rows = 16 * int(w[1:])
         elif w.startswith("n"):
@@ -83,9 +87,10 @@ def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = F
         for q, kc, vc, kv, out, ws in layers:
             if layer:
                 q.mul_(1.0)                       # a torch kernel before the layer's own
-                write_kv(kv, kv, kc, vc, meta)    # PDL as GRAPHRT_PDL says
+                if not kv_in_launch:
+                    write_kv(kv, kv, kc, vc, meta)    # PDL as GRAPHRT_PDL says
             paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws, max_query_len=max_query_len,
-                            config=cfg)
+                            config=cfg, new_kv=(kv, kv) if kv_in_launch else None)
 
     previous = os.environ.get("GRAPHRT_PDL")
     os.environ["GRAPHRT_PDL"] = "1" if pdl else "0"
@@ -118,7 +123,8 @@ def main() -> None:
             variants += ["map x2", "map x8 fused", "map x6 launch", "map n64 r128", "map x8 fused n64 r128",
                          "map x8 launch n64 r128"]
         cells = [(v, False) for v in variants] + [("layer-off", True), ("layer-off launch", True),
-                                                  ("layer-off fused", True)]
+                                                  ("layer-off fused", True), ("layer-off launch kvin", True),
+                                                  ("layer-off fused kvin", True)]
         for name, layer in cells:
             ms, splits = launch_ms(batch, ctx, name, iters=iters, layer=layer)
             tbps = kv_bytes(batch, ctx) / ms / 1e9

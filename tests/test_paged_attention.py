@@ -96,6 +96,11 @@ CASES = [
     # the fused merge past the default's split limit: several rounds of loads, the last partial
     Case("split-decode-fused-9", (S(1, 300, ((3, 100),)), S(1, 5), S(1, 130), S(1, 0)), splits=9,
          max_query_len=1, config=KernelConfig(block_q=4, block_n=16, fuse_merge=True)),
+    # two levels of in-place merge: groups of 4 splits, then the groups (a last group of 1)
+    Case("split-decode-fused-two-levels", (S(1, 600, ((3, 100),)), S(1, 5), S(1, 130), S(1, 0), S(1, 64)), splits=37,
+         max_query_len=1, config=KernelConfig(block_q=4, block_n=16, fuse_merge=True)),
+    Case("split-mixed-fused-two-levels", (S(1, 400), S(24, 200, ((30, 60),))), splits=13, window=150,
+         config=KernelConfig(block_q=8, block_n=16, short_block_n=32, fuse_merge=True)),
     # a register cap (ignored by the interpreter; on the GPU the compiler meets it, spilling if need be)
     Case("split-decode-register-cap", (S(1, 300, ((3, 100),)), S(1, 5), S(1, 130), S(1, 0)), splits=8,
          max_query_len=1, config=KernelConfig(block_q=4, block_n=64, maxnreg=128)),
