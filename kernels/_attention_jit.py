@@ -11,8 +11,6 @@ from ._kv_write_jit import _to_e4m3_values
 RULE_CLIP: tl.constexpr = tl.constexpr(0)
 RULE_TWO_SIDED: tl.constexpr = tl.constexpr(1)
 RULE_RANGES_UNCLIPPED: tl.constexpr = tl.constexpr(2)
-# The in-place split-KV merge: splits per first-level group (``_merge_tile``)
-MERGE_GROUP: tl.constexpr = tl.constexpr(4)
 
 
 @triton.jit
@@ -185,83 +183,46 @@ def _write_new_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_p
 
 
 @triton.jit
-def _merge_partials(p_po, p_pl, m_row, m_out, first, count, step, stride_po_split,
-                    BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, UNROLL: tl.constexpr):
-    """Online log-sum-exp over ``count`` partials (the splits first, first + step, ...),
-    UNROLL at a time so that their loads are in flight together (from L2: .cg, not this
-    SM's L1, which did not see the other programs' stores). Returns (acc, l, m): the output
-    is acc / l, its log2-sum-exp m + log2(l)."""
-    m_s = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_s = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    zero_m = tl.zeros([BLOCK_M], dtype=tl.int32)
-    for i0 in range(0, count, UNROLL):
-        for j in tl.static_range(UNROLL):
-            m_live = m_row & (i0 + j + zero_m < count)    # (vector compares: the interpreter
-            s = first + (i0 + j) * step                      # takes no scalar in a mask)
-            lse = tl.load(p_pl + s, mask=m_live, other=float("-inf"), cache_modifier=".cg")
-            b_o = tl.load(p_po + s * stride_po_split, mask=m_out & m_live[:, None], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_s, lse)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no keys in any split so far
-            alpha = tl.exp2(m_s - m_safe)
-            w = tl.exp2(lse - m_safe)
-            acc = acc * alpha[:, None] + b_o * w[:, None]
-            l_s = l_s * alpha + w
-            m_s = m_new
-    return acc, l_s, m_s
-
-
-@triton.jit
 def _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_pl, m_row, m_out, num_active,
-                i_split, stride_po_split, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                MERGE_ROWS: tl.constexpr):
-    """The split-KV merge inside the attention launch, in two levels past MERGE_GROUP
-    active splits (split 0 alone stands for them when there are none):
-    - each group of MERGE_GROUP consecutive splits counts itself in the group's counter
-      once its partials are stored; the split that counts last merges the group into the
-      group's first slot (a partial output and log-sum-exp like any split's);
-    - the splits that merged a group (or every split, with a single group) count in the
-      tile's counter; the last merges those partials into ``out``.
-    So the last program of a tile merges cdiv(active, MERGE_GROUP) partials rather than
-    all of them (H200: one program merging 32 left the SMs idle for 7 us; NOTES.md).
-    Counters go back to 0 for the next launch. Every split of the tile computes the same
-    ``num_active`` from the same metadata. The tile's counter is the launch's
-    (program_id(0), KV head) slot and the group counters follow all of those, so no
-    metadata can make two tiles share one; no program waits on another."""
-    UNROLL: tl.constexpr = MERGE_ROWS // BLOCK_M if BLOCK_M < MERGE_ROWS else 1
+                stride_po_split, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr):
+    """The split-KV merge inside the attention launch: every active split of a query tile
+    (split 0 alone when none is) counts itself in the tile's counter once its partial
+    output and log-sum-exp are stored; the one that counts last merges the tile's partials
+    into ``out`` and sets the counter back to 0 for the next launch. Every split of the
+    tile computes the same ``num_active`` from the same metadata. The counter is the
+    launch's (program_id(0), KV head) slot, so no metadata can make two tiles share one;
+    no program waits on another."""
     # every thread's partial stores come before the count (the barrier), and the count
     # releases them to the GPU; the merging program's count acquires the others'
     tl.debug_barrier()
-    n = tl.maximum(num_active, 1)
-    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    num_groups = tl.cdiv(n, MERGE_GROUP)
-    ready = n > 0                 # (a tensor in both branches)
-    count = n
-    step = n * 0 + 1
-    if num_groups > 1:
-        i_group = i_split // MERGE_GROUP
-        first = i_group * MERGE_GROUP
-        p_group = (counter_ptr + tl.num_programs(0) * tl.num_programs(1)
-                   + tile * tl.cdiv(tl.num_programs(2), MERGE_GROUP) + i_group)
-        ready = tl.atomic_add(p_group, 1, sem="acq_rel", scope="gpu") == tl.minimum(n - first, MERGE_GROUP) - 1
-        if ready:
-            tl.store(p_group, 0)
-            acc, l_s, m_s = _merge_partials(p_po, p_pl, m_row, m_out, first, tl.minimum(n - first, MERGE_GROUP), 1,
-                                            stride_po_split, BLOCK_M, HEAD_DIM_PAD, UNROLL)
-            has = l_s > 0.0
-            tl.store(p_po + first * stride_po_split, acc / tl.where(has, l_s, 1.0)[:, None], mask=m_out)
-            tl.store(p_pl + first, tl.where(has, m_s + tl.log2(tl.where(has, l_s, 1.0)), float("-inf")), mask=m_row)
-            tl.debug_barrier()
-        count = num_groups
-        step = step * MERGE_GROUP
-    if ready:
-        p_count = counter_ptr + tile
-        if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == count - 1:
-            tl.store(p_count, 0)
-            acc, l_s, m_s = _merge_partials(p_po, p_pl, m_row, m_out, 0, count, step, stride_po_split,
-                                            BLOCK_M, HEAD_DIM_PAD, UNROLL)
-            b_out = acc / tl.where(l_s > 0.0, l_s, 1.0)[:, None]
-            tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_out)
+    p_count = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    done = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu")
+    if done == tl.maximum(num_active, 1) - 1:
+        tl.store(p_count, 0)
+        # Online log-sum-exp over the active splits, UNROLL at a time so that their loads
+        # are in flight together (from L2: .cg, not this SM's L1, which did not see the
+        # other programs' stores).
+        UNROLL: tl.constexpr = MERGE_ROWS // BLOCK_M if BLOCK_M < MERGE_ROWS else 1
+        m_s = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_s = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        zero_m = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for first in range(0, num_active, UNROLL):
+            for j in tl.static_range(UNROLL):
+                s = first + j
+                m_live = m_row & (s + zero_m < num_active)     # (vector compares: the interpreter
+                lse = tl.load(p_pl + s, mask=m_live, other=float("-inf"), cache_modifier=".cg")
+                b_o = tl.load(p_po + s * stride_po_split, mask=m_out & m_live[:, None], other=0.0,
+                              cache_modifier=".cg")           # takes no scalar in a mask)
+                m_new = tl.maximum(m_s, lse)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no keys in any split so far
+                alpha = tl.exp2(m_s - m_safe)
+                w = tl.exp2(lse - m_safe)
+                acc = acc * alpha[:, None] + b_o * w[:, None]
+                l_s = l_s * alpha + w
+                m_s = m_new
+        b_out = acc / tl.where(l_s > 0.0, l_s, 1.0)[:, None]
+        tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_out)
 
 
 @triton.jit
@@ -435,7 +396,7 @@ def _attend_tile(
                  mask=m_row)
         if FUSE_MERGE and merge_now != 0:
             _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_pl, m_row, m_out,
-                        num_active, i_split, stride_po_split, BLOCK_M, HEAD_DIM_PAD, MERGE_ROWS)
+                        num_active, stride_po_split, BLOCK_M, HEAD_DIM_PAD, MERGE_ROWS)
 
 
 # Sizes and strides that differ between buckets without changing the code worth having:

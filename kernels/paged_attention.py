@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._attention_jit import (MERGE_GROUP, RULE_CLIP, RULE_RANGES_UNCLIPPED, RULE_TWO_SIDED, _PER_BUCKET,  # noqa: F401
+from ._attention_jit import (RULE_CLIP, RULE_RANGES_UNCLIPPED, RULE_TWO_SIDED, _PER_BUCKET,  # noqa: F401
                              _attend_key_tile, _attend_span, _attend_tile, _attn_kernel, _merge_kernel)
 from ._checks import (CACHE_DTYPES, MAX_HEAD_DIM, check_cache_dtypes, check_head_dim, check_kv_scales,
                       check_runnable, check_same_dtype, check_shape, check_tensor, pdl_supported)
@@ -166,25 +166,17 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) 
     return 1 << (want.bit_length() - 1)
 
 
-def merge_counters(num_tiles: int, num_kv_heads: int, num_splits: int) -> int:
-    """Counters the in-place merge of a launch of ``num_tiles`` query tiles takes: per
-    (tile, KV head) one, and one for each group of MERGE_GROUP splits."""
-    return num_tiles * num_kv_heads * (1 + -(-num_splits // MERGE_GROUP.value))
-
-
 def split_workspace(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
                     device: torch.device | str, *, max_num_seqs: int | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Partial outputs [T, Hq, splits, D] and log-sum-exps [T, Hq, splits], float32, and
-    the fused merge's counters: int32 zeros, for each (query tile, KV head) of any launch
-    of T token slots and at most ``max_num_seqs`` (default T) sequences one, and one per
-    group of the merge's first level (``merge_counters``). The counters must be zero
-    before a launch; each launch leaves them so."""
+    the fused merge's tile counters: int32 zeros, one per (query tile, KV head) of any
+    launch of T token slots and at most ``max_num_seqs`` (default T) sequences. The
+    counters must be zero before a launch; each launch leaves them so."""
     part_o = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
     part_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
     seqs = num_tokens if max_num_seqs is None else max_num_seqs
-    counters = torch.zeros(merge_counters(num_tokens + seqs, num_q_heads, num_splits), dtype=torch.int32,
-                           device=device)
+    counters = torch.zeros((num_tokens + seqs) * num_q_heads, dtype=torch.int32, device=device)
     return part_o, part_lse, counters
 
 
@@ -318,10 +310,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                  "of split_workspace(...)")
             counters = workspace[2]
             check_tensor("workspace[2]", counters, dim=1, dtypes=(torch.int32,), device=device)
-            need = merge_counters(num_tiles, num_kv_heads, num_splits)
-            if counters.numel() < need or counters.stride(0) != 1:
-                raise ValueError(f"workspace[2] (counters) must be contiguous with >= {need} elements "
-                                 f"(merge_counters(tokens // block_q + max_num_seqs, KV heads, splits)), got "
+            if counters.numel() < num_tiles * num_kv_heads or counters.stride(0) != 1:
+                raise ValueError(f"workspace[2] (counters) must be contiguous with >= {num_tiles * num_kv_heads} "
+                                 f"elements ((tokens // block_q + max_num_seqs) x KV heads), got "
                                  f"{counters.numel()}")
         check_tensor("workspace[0]", part_o, dim=4, dtypes=(torch.float32,), device=device)
         check_tensor("workspace[1]", part_lse, dim=3, dtypes=(torch.float32,), device=device)

@@ -20,8 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from _cases import TOL, Seq, assert_close, build_meta, fresh_seed, rngs
 from graphrt import Runtime, RuntimeConfig, SeqStep, Step
-from graphrt.kernels import (AttentionMetadata, default_config, paged_attention, reference, split_workspace,
-                             write_kv)
+from graphrt.kernels import AttentionMetadata, default_config, paged_attention, reference, write_kv
 
 GUARD = 3          # rows (or cache blocks) of guard band on each side
 SENTINEL = 7.25    # what the bands hold
@@ -46,8 +45,7 @@ def banded_workspace(num_tokens: int, num_q_heads: int, splits: int, head_dim: i
     bands), and the three whole tensors."""
     po_whole, part_o = banded((num_tokens, num_q_heads, splits, head_dim), torch.float32, device)
     pl_whole, part_lse = banded((num_tokens, num_q_heads, splits), torch.float32, device)
-    size = split_workspace(num_tokens, num_q_heads, head_dim, splits, "meta", max_num_seqs=num_seqs)[2].numel()
-    ct_whole, counters = banded((size,), torch.int32, device)
+    ct_whole, counters = banded(((num_tokens + num_seqs) * num_q_heads,), torch.int32, device)
     counters.zero_()
     return (po_whole, pl_whole, ct_whole), (part_o, part_lse, counters)
 
