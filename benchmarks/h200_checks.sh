@@ -2,7 +2,7 @@
 # The GPU checks of a commit, in one go, for a machine with a CUDA device:
 #   bash benchmarks/h200_checks.sh OUT PART...
 # PART: tests | sanitizer | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
-#       probe-ops | bench-host | bench-capture | bench-runtime |
+#       probe-ops | bench-host | bench-capture | bench-runtime | bench-step |
 #       bench-kernels | sweep-fp8 | sweep-prefill | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime, ab-kernels (ROUNDS, default 1) and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options); JOBS: pytest workers for tests (default 10). Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
@@ -43,6 +43,7 @@ for part in "$@"; do
     bench-host) timeout "$limit" python3 -m graphrt bench host --out "$out" ;;
     bench-capture) timeout "$limit" python3 -m graphrt bench capture --out "$out" ;;
     bench-runtime) timeout "$limit" python3 -m graphrt bench runtime --out "$out" ;;
+    bench-step) timeout "$limit" python3 -m graphrt bench step --out "$out" ;;
     tests-precompile) timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_precompile.py ;;
     bench-kernels) timeout "$limit" python3 -m graphrt bench kernels --out "$out" ;;
     sweep-fp8) timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" ;;
