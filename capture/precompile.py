@@ -4,13 +4,15 @@ From a cold Triton cache, capture spends most of its time compiling one kernel v
 after another in one process (Triton holds the GIL while it compiles, so threads do not
 help). ``precompile(runs)`` instead:
 
-1. starts worker processes, which import Triton and graphrt's kernel modules (those import
-   Triton alone: no torch, so a worker is ready in well under a second);
-2. runs each step function once with Triton's ``jit_cache_hook`` set: every launch of a
+1. runs each step function once with Triton's ``jit_cache_hook`` set: every launch of a
    variant this process has not compiled yet is recorded (its specialization data, the
    JSON Triton's ``JITFunction.preload`` takes) and skipped, neither compiled nor launched
-   (the outputs of that pass are garbage; the torch ops around the kernels run as usual).
-   Each new variant goes to the next worker at once, so compiling overlaps the pass;
+   (the outputs of that pass are garbage; the torch ops around the kernels run as usual);
+2. sends each new variant to a worker process at once, so compiling overlaps the pass:
+   each of the first variants starts one (up to one per CPU core but one, 16 at most),
+   which imports Triton and graphrt's kernel modules (those import Triton alone: no torch,
+   so a worker is ready in well under a second); later variants go round robin. A pass
+   that finds every variant in memory starts no process;
 3. waits for the workers, which compile for this process's GPU target into Triton's
    on-disk cache (a variant already there costs a worker a cache lookup), and loads every
    variant here from that cache.
@@ -138,9 +140,11 @@ def compile_variant(variant: Variant, target: tuple) -> None:
 
 
 class _Pool:
-    """Worker processes compiling variants as they are sent (``send``, round robin; each
-    worker compiles its variants in the order they come). ``finish`` ends the input and
-    waits for the workers, returning the failures; ``stop`` ends them at once.
+    """Worker processes compiling variants as they are sent (``send``: each of the first
+    ``workers`` variants starts a worker, later ones go round robin; each worker compiles
+    its variants in the order they come), so that a capture needing no compile starts no
+    process. ``finish`` ends the input and waits for the workers, returning the failures;
+    ``stop`` ends them at once.
 
     A worker runs this file as a script (not ``-m graphrt...``, which would import graphrt
     and torch) and loads the kernel modules by path under their own names (``MODULES``):
@@ -153,24 +157,33 @@ class _Pool:
     MODULES = ("graphrt.kernels._kv_write_jit", "graphrt.kernels._attention_jit")
 
     def __init__(self, target: tuple, workers: int):
-        import subprocess
-        import sys
         import tempfile
 
         self._tmp = tempfile.TemporaryDirectory(prefix="graphrt-precompile-")
         self._jobs: list[tuple[list[Variant], Any, str]] = []
         self._next = 0
-        modules = [f"{name}={importlib.util.find_spec(name).origin}" for name in self.MODULES]
-        for i in range(workers):
-            path = os.path.join(self._tmp.name, f"worker{i}")
-            # output to files, not pipes: nobody reads a pipe before the workers end, and a
-            # full one would stall its worker
-            with open(path + ".out", "w") as out, open(path + ".err", "w") as err:
-                job = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(list(target)), *modules],
-                                       stdin=subprocess.PIPE, stdout=out, stderr=err)
-            self._jobs.append(([], job, path))
+        self._target, self._workers = target, max(1, workers)
+        self._modules = [f"{name}={importlib.util.find_spec(name).origin}" for name in self.MODULES]
+
+    @property
+    def started(self) -> int:
+        return len(self._jobs)
+
+    def _start(self) -> None:
+        import subprocess
+        import sys
+
+        path = os.path.join(self._tmp.name, f"worker{len(self._jobs)}")
+        # output to files, not pipes: nobody reads a pipe before the workers end, and a full
+        # one would stall its worker
+        with open(path + ".out", "w") as out, open(path + ".err", "w") as err:
+            job = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(list(self._target)),
+                                    *self._modules], stdin=subprocess.PIPE, stdout=out, stderr=err)
+        self._jobs.append(([], job, path))
 
     def send(self, variant: Variant) -> None:
+        if len(self._jobs) < self._workers:
+            self._start()
         share, job, _ = self._jobs[self._next % len(self._jobs)]
         self._next += 1
         share.append(variant)
@@ -364,13 +377,13 @@ def precompile(runs: Iterable[Callable[[], Any]], *, max_workers: int | None = N
             report.from_manifest = True
             report.seconds = time.perf_counter() - t0
             return report
-    report.workers = max(1, min(max_workers or 16, (os.cpu_count() or 2) - 1))
-    pool = _Pool(target, report.workers)
+    pool = _Pool(target, max(1, min(max_workers or 16, (os.cpu_count() or 2) - 1)))
     try:
         variants = collect(runs, pool.send)
     except BaseException:
         pool.stop()
         raise
+    report.workers = pool.started
     report.phases["collect"] = time.perf_counter() - t0
     report.variants = report.compiled_in_pool = len(variants)
     t = time.perf_counter()
