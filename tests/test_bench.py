@@ -51,3 +51,17 @@ def test_ab_script_interleaves_two_trees(tmp_path):
     data = json.loads((tmp_path / "ab_capture.json").read_text())
     assert (data["a"], data["b"]) == ("x", "y") and data["rows"]
     assert all("ms_x_over_y" in r for r in data["rows"]), data["rows"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the GPU run times it instead (h200_checks)")
+def test_prefill_tma_probe_matches_the_reference(tmp_path):
+    """benchmarks/probe_prefill_tma.py's kernel (host and device descriptors, the
+    warp-specialized one-loop form) against a float64 reference, under the interpreter."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "probe_prefill_tma.py")], capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert run.stdout.count("max |err|") == 3, run.stdout
