@@ -27,29 +27,41 @@ from pathlib import Path
 import triton
 import triton.language as tl
 
-def _cfg(block_m, block_n, num_warps, num_stages, ws=False, device_desc=False, one_loop=False) -> dict:
+def _cfg(block_m, block_n, num_warps, num_stages, ws=False, device_desc=False, one_loop=False, paged=False) -> dict:
     return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, ws=ws,
-                device_desc=device_desc, one_loop=one_loop)
+                device_desc=device_desc, one_loop=one_loop, paged=paged)
 
 
 # ws: the key loop warp-specialized; device_desc: descriptors made on the device; one_loop:
-# one loop masking every key tile. Triton 3.6 (sm_90) builds warp partitions for a kernel of
+# one loop masking every key tile; paged: K/V from a paged cache whose blocks hold a key
+# tile each, found through a block table (graphrt's kernel gathers 16-token blocks with
+# per-thread loads, which Triton 3.6 does not warp-specialize: its pass fails). Triton 3.6 (sm_90) builds warp partitions for a kernel of
 # one loop only: with the full and diagonal loops apart its pass fails with 4 warps and
 # leaves the loop alone with 8 (--compile-only shows it).
 CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2),
            _cfg(128, 128, 8, 2, device_desc=True), _cfg(128, 128, 4, 2, device_desc=True, one_loop=True),
            _cfg(128, 128, 4, 2, ws=True, device_desc=True, one_loop=True),
            _cfg(128, 64, 4, 3, ws=True, device_desc=True, one_loop=True),
-           _cfg(128, 128, 4, 3, ws=True, device_desc=True, one_loop=True)]
+           _cfg(128, 128, 4, 3, ws=True, device_desc=True, one_loop=True),
+           # keys from a paged cache of BLOCK_N-token blocks (one TMA load per key tile)
+           _cfg(128, 64, 8, 3, device_desc=True, one_loop=True, paged=True),
+           _cfg(128, 64, 4, 3, ws=True, device_desc=True, one_loop=True, paged=True),
+           _cfg(128, 128, 4, 2, ws=True, device_desc=True, one_loop=True, paged=True)]
 WS_TWO_LOOPS = [_cfg(128, 128, 4, 2, ws=True, device_desc=True), _cfg(128, 128, 8, 2, ws=True, device_desc=True)]
 SIZES = [4096, 16384]
 
 
 @triton.jit
-def _key_tile(acc, l_i, m_i, b_q, k_desc, v_desc, n0, i_kvh, o_m, scale_log2e,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
-    b_k = k_desc.load([n0, i_kvh * HEAD_DIM])               # [BLOCK_N, D]
-    b_v = v_desc.load([n0, i_kvh * HEAD_DIM])
+def _key_tile(acc, l_i, m_i, b_q, k_desc, v_desc, n0, i_kvh, o_m, scale_log2e, block_table_ptr,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+              PAGED: tl.constexpr):
+    if PAGED:                                                # the tile's block, one TMA load each of K and V
+        i_blk = tl.load(block_table_ptr + n0 // BLOCK_N)
+        b_k = k_desc.load([i_blk, 0, i_kvh * HEAD_DIM]).reshape(BLOCK_N, HEAD_DIM)
+        b_v = v_desc.load([i_blk, 0, i_kvh * HEAD_DIM]).reshape(BLOCK_N, HEAD_DIM)
+    else:
+        b_k = k_desc.load([n0, i_kvh * HEAD_DIM])           # [BLOCK_N, D]
+        b_v = v_desc.load([n0, i_kvh * HEAD_DIM])
     if IEEE:
         b_s = tl.dot(b_q, b_k.T, input_precision="ieee")
     else:
@@ -71,7 +83,8 @@ def _key_tile(acc, l_i, m_i, b_q, k_desc, v_desc, n0, i_kvh, o_m, scale_log2e,
 @triton.jit
 def _causal_rows(q_desc, k_desc, v_desc, o_desc, num_tokens, scale_log2e,
                  QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 WS: tl.constexpr, IEEE: tl.constexpr, ONE_LOOP: tl.constexpr):
+                 WS: tl.constexpr, IEEE: tl.constexpr, ONE_LOOP: tl.constexpr, block_table_ptr=None,
+                 PAGED: tl.constexpr = False):
     """One query head's BLOCK_M rows of one sequence of ``num_tokens`` new tokens (q, k, v
     viewed [T, heads * D]); the keys below the rows' first one in full tiles (no mask),
     then the diagonal tiles masked; with ONE_LOOP, one loop masking every tile (Triton
@@ -89,14 +102,14 @@ def _causal_rows(q_desc, k_desc, v_desc, o_desc, num_tokens, scale_log2e,
     if ONE_LOOP:
         for n0 in tl.range(0, tl.minimum(row0 + BLOCK_M, num_tokens), BLOCK_N, warp_specialize=WS):
             acc, l_i, m_i = _key_tile(acc, l_i, m_i, b_q, k_desc, v_desc, n0, i_kvh, o_m, scale_log2e,
-                                      HEAD_DIM, BLOCK_N, True, IEEE)
+                                      block_table_ptr, HEAD_DIM, BLOCK_N, True, IEEE, PAGED)
     else:
         for n0 in tl.range(0, row0, BLOCK_N, warp_specialize=WS):
             acc, l_i, m_i = _key_tile(acc, l_i, m_i, b_q, k_desc, v_desc, n0, i_kvh, o_m, scale_log2e,
-                                      HEAD_DIM, BLOCK_N, False, IEEE)
+                                      block_table_ptr, HEAD_DIM, BLOCK_N, False, IEEE, False)
         for n0 in range(row0, tl.minimum(row0 + BLOCK_M, num_tokens), BLOCK_N):
             acc, l_i, m_i = _key_tile(acc, l_i, m_i, b_q, k_desc, v_desc, n0, i_kvh, o_m, scale_log2e,
-                                      HEAD_DIM, BLOCK_N, True, IEEE)
+                                      block_table_ptr, HEAD_DIM, BLOCK_N, True, IEEE, False)
     o_desc.store([row0, i_h * HEAD_DIM], (acc / l_i[:, None]).to(o_desc.dtype))   # rows past T: not stored
 
 
@@ -124,14 +137,55 @@ def _tma_causal_kernel_dev(q_ptr, k_ptr, v_ptr, o_ptr, num_tokens, scale_log2e,
                  ONE_LOOP)
 
 
+@triton.jit
+def _paged_tma_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, o_ptr, num_tokens, num_blocks, scale_log2e,
+                      QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      WS: tl.constexpr, IEEE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr):
+    """K/V from caches [num_blocks, BLOCK_N, Hkv, D] (a block per key tile) through 3-d
+    descriptors made on the device; one loop masking every tile."""
+    q_desc = tl.make_tensor_descriptor(q_ptr, [num_tokens, HQ * HEAD_DIM], [HQ * HEAD_DIM, 1], [BLOCK_M, HEAD_DIM])
+    o_desc = tl.make_tensor_descriptor(o_ptr, [num_tokens, HQ * HEAD_DIM], [HQ * HEAD_DIM, 1], [BLOCK_M, HEAD_DIM])
+    # (the lists inline: Triton 3.6 takes no list held in a variable here)
+    k_desc = tl.make_tensor_descriptor(k_cache_ptr, [num_blocks, BLOCK_N, HKV * HEAD_DIM],
+                                       [BLOCK_N * HKV * HEAD_DIM, HKV * HEAD_DIM, 1], [1, BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(v_cache_ptr, [num_blocks, BLOCK_N, HKV * HEAD_DIM],
+                                       [BLOCK_N * HKV * HEAD_DIM, HKV * HEAD_DIM, 1], [1, BLOCK_N, HEAD_DIM])
+    _causal_rows(q_desc, k_desc, v_desc, o_desc, num_tokens, scale_log2e, QPK, HEAD_DIM, BLOCK_M, BLOCK_N, WS, IEEE,
+                 True, block_table_ptr, True)
+
+
+def paged_cache(k, block_n: int, generator=None):
+    """(cache [num_blocks, block_n, Hkv, D] holding k's rows in blocks placed at random, with
+    two spare blocks; int32 block table)."""
+    import torch
+
+    t = k.shape[0]
+    used = triton.cdiv(t, block_n)
+    perm = torch.randperm(used + 2, generator=generator)[:used].to(k.device)
+    cache = torch.zeros(used + 2, block_n, *k.shape[1:], dtype=k.dtype, device=k.device)
+    rows = torch.zeros(used * block_n, *k.shape[1:], dtype=k.dtype, device=k.device)
+    rows[:t] = k
+    cache[perm] = rows.view(used, block_n, *k.shape[1:])
+    return cache, perm.to(torch.int32)
+
+
 def tma_causal(q, k, v, out, *, block_m: int, block_n: int, num_warps: int, num_stages: int, ws: bool = False,
-               device_desc: bool = False, one_loop: bool = False):
-    """out[T, Hq, D] = causal attention of q over k, v ([T, Hkv, D], contiguous)."""
+               device_desc: bool = False, one_loop: bool = False, paged: bool = False, caches=None):
+    """out[T, Hq, D] = causal attention of q over k, v ([T, Hkv, D], contiguous); with
+    ``paged``, over ``caches`` = (k_cache, v_cache, block_table) from ``paged_cache``."""
     import torch
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     t, hq, d = q.shape
     hkv = k.shape[1]
+    if paged:
+        k_cache, v_cache, table = caches
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=q.device))
+        _paged_tma_kernel[(triton.cdiv(t, block_m), hq)](
+            q, k_cache, v_cache, table, out, t, k_cache.shape[0], d ** -0.5 * 1.4426950408889634, QPK=hq // hkv,
+            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, WS=ws, IEEE=q.dtype == torch.float32, HQ=hq, HKV=hkv,
+            num_warps=num_warps, num_stages=num_stages)
+        return out
     if device_desc:
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=q.device))
         _tma_causal_kernel_dev[(triton.cdiv(t, block_m), hq)](
@@ -152,7 +206,7 @@ def tma_causal(q, k, v, out, *, block_m: int, block_n: int, num_warps: int, num_
 def label_of(cfg: dict) -> str:
     return (f"{cfg['block_m']}x{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}"
             + "".join(f" {word}" for word, on in (("ws", cfg["ws"]), ("dev", cfg["device_desc"]),
-                                                   ("one-loop", cfg["one_loop"])) if on))
+                                                   ("one-loop", cfg["one_loop"]), ("paged", cfg["paged"])) if on))
 
 
 def compile_only() -> None:
@@ -165,7 +219,14 @@ def compile_only() -> None:
         const = dict(QPK=4, HEAD_DIM=128, BLOCK_M=rows, BLOCK_N=block_n, WS=cfg["ws"], IEEE=False,
                      ONE_LOOP=cfg["one_loop"])
         attrs = {}
-        if cfg["device_desc"]:
+        if cfg["paged"]:
+            fn = _paged_tma_kernel
+            const = {k: v for k, v in const.items() if k != "ONE_LOOP"}
+            const.update(HQ=32, HKV=8)
+            signature = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", block_table_ptr="*i32",
+                             o_ptr="*bf16", num_tokens="i32", num_blocks="i32", scale_log2e="fp32")
+            attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+        elif cfg["device_desc"]:
             fn = _tma_causal_kernel_dev
             const.update(HQ=32, HKV=8)
             signature = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", num_tokens="i32",
@@ -225,10 +286,14 @@ def main() -> None:
                                                            v.repeat_interleave(hq // hkv, 1)))
         mask = torch.ones(t, t, dtype=torch.bool).tril()
         want = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask).transpose(0, 1)
+        k_cache, table = paged_cache(k, 16, torch.Generator().manual_seed(1))
+        v_cache, _ = paged_cache(v, 16, torch.Generator().manual_seed(1))      # the same placement
+        caches = (k_cache, v_cache, table)
         for cfg in (_cfg(32, 16, 4, 2), _cfg(32, 16, 4, 2, device_desc=True),
-                    _cfg(32, 16, 4, 2, ws=True, device_desc=True, one_loop=True)):
+                    _cfg(32, 16, 4, 2, ws=True, device_desc=True, one_loop=True),
+                    _cfg(32, 16, 4, 2, ws=True, device_desc=True, one_loop=True, paged=True)):
             out = torch.full_like(q, float("nan"))
-            tma_causal(q, k, v, out, **cfg)
+            tma_causal(q, k, v, out, **cfg, caches=caches)
             err = float((out.double() - want).abs().max())
             print(f"interpreter, {t} tokens, {label_of(cfg)}: max |err| {err:.2e}")
             assert err < 1e-4, err
@@ -249,12 +314,20 @@ def main() -> None:
                  dict(impl="graphrt_paged", tokens=n, ms=paged, tflops=flops / paged / 1e9, of_sdpa=sdpa / paged)]
         print(f"n={n:6d} sdpa {sdpa:.3f} ms ({flops / sdpa / 1e9:.0f} TFLOP/s); graphrt paged {paged:.3f} ms = "
               f"{sdpa / paged:.2f} x SDPA", flush=True)
+        paged = {}                                 # block_n -> (k_cache, v_cache, block table)
         for cfg in CONFIGS:
             out = torch.empty_like(q)
             label = label_of(cfg)
+            caches = None
+            if cfg["paged"]:
+                if cfg["block_n"] not in paged:
+                    k_cache, table = paged_cache(k, cfg["block_n"], torch.Generator().manual_seed(n))
+                    v_cache, _ = paged_cache(v, cfg["block_n"], torch.Generator().manual_seed(n))
+                    paged[cfg["block_n"]] = (k_cache, v_cache, table)
+                caches = paged[cfg["block_n"]]
             try:
-                tma_causal(q, k, v, out, **cfg)
-                ms = time_ms(lambda: tma_causal(q, k, v, out, **cfg), iters=20)
+                tma_causal(q, k, v, out, **cfg, caches=caches)
+                ms = time_ms(lambda: tma_causal(q, k, v, out, **cfg, caches=caches), iters=20)
             except Exception as exc:              # a config that does not build or run: recorded, not fatal
                 print(f"n={n} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 rows.append(dict(impl="tma_probe", tokens=n, config=label, error=f"{type(exc).__name__}"))
@@ -264,7 +337,7 @@ def main() -> None:
                              of_sdpa=sdpa / ms, max_err_vs_sdpa=err))
             print(f"n={n:6d} {label:18s} {ms:.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s = {sdpa / ms:.2f} x SDPA "
                   f"(max |err| vs SDPA {err:.1e})", flush=True)
-        del q, k, v, qs, ks, vs, want
+        del q, k, v, qs, ks, vs, want, paged
     print(f"wrote {write(args.out, 'probe_prefill_tma', rows)}")
 
 
