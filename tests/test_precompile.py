@@ -351,12 +351,32 @@ def test_warm_capture_loads_the_manifest_and_a_stale_one_goes(tmp_path):
 
 
 def test_capture_precompiles_unless_told_not_to(monkeypatch):
-    # Runtime.capture(precompile=None) decides by the environment: on unless "0"
-    from graphrt.runtime import precompile_by_default
+    # Runtime.capture(precompile=None) precompiles unless the environment's
+    # GRAPHRT_PRECOMPILE is "0"; an explicit argument wins. (The graph set is a stand-in
+    # that records what capture asks of it: no GPU needed.)
+    from graphrt import Runtime, RuntimeConfig
+    from graphrt.toy import ToyModel
 
-    monkeypatch.delenv("GRAPHRT_PRECOMPILE", raising=False)
-    assert precompile_by_default() is True
-    monkeypatch.setenv("GRAPHRT_PRECOMPILE", "0")
-    assert precompile_by_default() is False
-    monkeypatch.setenv("GRAPHRT_PRECOMPILE", "1")
-    assert precompile_by_default() is True
+    cfg = RuntimeConfig(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16, num_blocks=8, max_num_seqs=2,
+                        max_num_tokens=16, max_model_len=64, max_prefix_ranges=1, dtype=torch.float32)
+    rt = Runtime(cfg, ToyModel(cfg, num_layers=1, hidden=16, vocab=10), num_layers=1, device="cpu")
+    asked = []
+
+    class Graphs:
+        graphs = {}
+
+        def capture(self, buckets, prepare, *, precompile, precompile_key, **_):
+            asked.append((precompile, precompile_key))
+            self.graphs.update(dict.fromkeys(buckets))
+
+    rt.graphs = Graphs()
+    monkeypatch.setattr(Runtime, "_precompile_key", lambda self: "key")      # (it names the GPU)
+    for env, arg, want in ((None, None, True), ("0", None, False), ("1", None, True), ("0", True, True),
+                           (None, False, False)):
+        if env is None:
+            monkeypatch.delenv("GRAPHRT_PRECOMPILE", raising=False)
+        else:
+            monkeypatch.setenv("GRAPHRT_PRECOMPILE", env)
+        asked.clear()
+        rt.capture(decode_buckets=[1], mixed_buckets=[], quiet=True, precompile=arg)
+        assert asked == [(want, "key" if want else None)], (env, arg, asked)
