@@ -20,9 +20,9 @@ Variants (bf16 cache, 32/8 heads, head_dim 128, KV block 16, random block placem
 and a layer-like graph, ``layer-off`` (``layer-pdl`` with PDL on; ``launch`` / ``fused``
 words as above): a torch kernel (standing for the projections), the KV write, then
 attention (+ merge), per call; with ``kvin`` the attention launch writes the K/V itself
-(``new_kv``, as the runtime's decode buckets do). The run measures the variants in ``main``; the words
-combine freely. Writes
-``sweep_decode.json``: per row ms, TB/s read and ``of_copy``.
+(``new_kv``, as the runtime's decode buckets do). The run measures the variants in
+``main``; the words combine freely. Writes ``sweep_decode.json``: per row ms, TB/s read
+and ``of_copy``.
 """
 
 from __future__ import annotations

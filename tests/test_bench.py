@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REQUIRED = {"step": {"impl", "layers", "batch", "host_us", "wall_us"},
             "kernels": {"impl", "ms"},
@@ -53,7 +54,7 @@ def test_ab_script_interleaves_two_trees(tmp_path):
     assert all("ms_x_over_y" in r for r in data["rows"]), data["rows"]
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the GPU run times it instead (h200_checks)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run times it instead (h200_checks)")
 def test_prefill_tma_probe_matches_the_reference(tmp_path):
     """benchmarks/probe_prefill_tma.py's kernel (host and device descriptors, the
     warp-specialized one-loop form, a paged cache through 3-d descriptors) against a float64

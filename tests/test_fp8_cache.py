@@ -88,8 +88,9 @@ def test_fp8_decode_launch_writes_new_kv(dt, splits, device):
     meta, _ = build_meta(seqs, block_size=16, num_blocks=30, max_ranges=1, rng=rng, device=device, num_seqs=6,
                          num_tokens=7)
     spread = torch.tensor([0.5, 4.0])[:, None]
-    k_cache, v_cache = (reference.quantize(torch.randn(480, 2, 64, generator=gen).to(device), s).view(30, 16, 2, 64)
-                        for s in (torch.full((2,), 0.01, device=device),) * 2)
+    old_scale = torch.full((2,), 0.01, device=device)      # what the cached context was written with
+    k_cache, v_cache = (reference.quantize(torch.randn(480, 2, 64, generator=gen).to(device), old_scale)
+                        .view(30, 16, 2, 64) for _ in range(2))
     k_new, v_new = ((torch.randn(7, 2, 64, generator=gen) * spread).to(device, dtype) for _ in range(2))
     k_scale, v_scale = per_head_scales(k_new[None]), per_head_scales(v_new[None])
     q = torch.randn(7, 8, 64, generator=gen).to(device, dtype)
