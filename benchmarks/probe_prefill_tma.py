@@ -35,9 +35,10 @@ def _cfg(block_m, block_n, num_warps, num_stages, ws=False, device_desc=False, o
 # ws: the key loop warp-specialized; device_desc: descriptors made on the device; one_loop:
 # one loop masking every key tile; paged: K/V from a paged cache whose blocks hold a key
 # tile each, found through a block table (graphrt's kernel gathers 16-token blocks with
-# per-thread loads, which Triton 3.6 does not warp-specialize: its pass fails). Triton 3.6 (sm_90) builds warp partitions for a kernel of
-# one loop only: with the full and diagonal loops apart its pass fails with 4 warps and
-# leaves the loop alone with 8 (--compile-only shows it).
+# per-thread loads, which Triton 3.6 does not warp-specialize: its pass fails). Triton 3.6
+# (sm_90) builds warp partitions for a kernel of one loop only: with the full and diagonal
+# loops apart its pass fails with 4 warps and leaves the loop alone with 8
+# (--compile-only shows it).
 CONFIGS = [_cfg(64, 64, 4, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2),
            _cfg(128, 128, 8, 2, device_desc=True), _cfg(128, 128, 4, 2, device_desc=True, one_loop=True),
            _cfg(128, 128, 4, 2, ws=True, device_desc=True, one_loop=True),

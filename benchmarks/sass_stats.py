@@ -45,7 +45,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--offsets-64", action="store_true", help="64-bit cache offsets (a cache past 2**31 elements)")
     parser.add_argument("--maxnreg", type=int, default=None, help="a register cap (KernelConfig.maxnreg)")
-    parser.add_argument("--write-kv", action="store_true", help="the launch writes the new K/V (paged_attention's new_kv)")
+    parser.add_argument("--write-kv", action="store_true",
+                        help="the launch writes the new K/V (paged_attention's new_kv)")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--seqs", type=int, default=256, help="the decode bucket's sequences")
     args = parser.parse_args()

@@ -176,8 +176,10 @@ def _write_new_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_p
             b_v = _to_e4m3_values(b_v, tl.load(v_scale_ptr + i_kvh), ROUND_E4M3)
         i_blk = slot // KV_BLOCK_SIZE
         i_off = slot % KV_BLOCK_SIZE
-        p_kc = k_cache_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok + i_kvh * stride_k_head)[:, None] + o_d[None, :]
-        p_vc = v_cache_ptr + (i_blk * stride_v_blk + i_off * stride_v_tok + i_kvh * stride_v_head)[:, None] + o_d[None, :]
+        o_kc = i_blk * stride_k_blk + i_off * stride_k_tok + i_kvh * stride_k_head
+        o_vc = i_blk * stride_v_blk + i_off * stride_v_tok + i_kvh * stride_v_head
+        p_kc = k_cache_ptr + o_kc[:, None] + o_d[None, :]
+        p_vc = v_cache_ptr + o_vc[:, None] + o_d[None, :]
         tl.store(p_kc, b_k.to(k_cache_ptr.dtype.element_ty), mask=m)
         tl.store(p_vc, b_v.to(v_cache_ptr.dtype.element_ty), mask=m)
 
