@@ -354,7 +354,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
         SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
         KV_FP8=fp8, KV_OFF32=off32, FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=max_query_len == 1,
-        WRITE_KV=new_kv is not None, ROUND_E4M3=fp8 and device.type == "cpu", PDL=pdl,
+        WRITE_KV=new_kv is not None, ROUND_E4M3=new_kv is not None and fp8 and device.type == "cpu", PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )
     if num_splits > 1 and not merge_now:
