@@ -155,6 +155,108 @@ def _paged_tma_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, o_ptr, n
                  True, block_table_ptr, True)
 
 
+@triton.jit
+def _ptr_key_tile(acc, l_i, m_i, b_q, k_ptr, v_ptr, block_table_ptr, j, o_tok, o_d, i_kvh, num_tokens, scale_log2e,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, PAGE: tl.constexpr,
+                  IEEE: tl.constexpr, MASKED: tl.constexpr):
+    k_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_k = k_pos < num_tokens
+    if PAGE > 0:
+        row = tl.load(block_table_ptr + k_pos // PAGE, mask=m_k, other=0) * PAGE + k_pos % PAGE
+    else:
+        row = k_pos
+    row = row.to(tl.int64) * HKV + i_kvh
+    if MASKED:
+        b_k = tl.load(k_ptr + row[None, :] * HEAD_DIM + o_d[:, None], mask=m_k[None, :], other=0.0)
+        b_v = tl.load(v_ptr + row[:, None] * HEAD_DIM + o_d[None, :], mask=m_k[:, None], other=0.0)
+    else:
+        b_k = tl.load(k_ptr + row[None, :] * HEAD_DIM + o_d[:, None])
+        b_v = tl.load(v_ptr + row[:, None] * HEAD_DIM + o_d[None, :])
+    if IEEE:
+        b_s = tl.dot(b_q, b_k, input_precision="ieee")
+    else:
+        b_s = tl.dot(b_q, b_k)
+    b_s = b_s * scale_log2e
+    if MASKED:
+        b_s = tl.where(k_pos[None, :] <= o_tok[:, None], b_s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+    b_p = tl.exp2(b_s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(b_p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _ptr_causal_kernel(q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, num_tokens, scale_log2e,
+                       QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HQ: tl.constexpr, HKV: tl.constexpr, PACKED: tl.constexpr, PAGE: tl.constexpr,
+                       IEEE: tl.constexpr):
+    """The same causal prefill through plain pointer loads: K/V rows contiguous (PAGE 0) or
+    gathered from a cache of PAGE-token blocks through a block table (graphrt's layout); a
+    program holds one query head's BLOCK_Q tokens, or with PACKED the QPK heads of one KV
+    head (BLOCK_Q tokens x QPK rows, graphrt's tiles). Full key tiles unmasked, then the
+    diagonal ones masked."""
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    o_r = tl.arange(0, BLOCK_Q * (QPK if PACKED else 1))
+    if PACKED:
+        i_kvh = tl.program_id(1)
+        o_tok = i_m * BLOCK_Q + o_r // QPK
+        o_h = i_kvh * QPK + o_r % QPK
+    else:
+        o_h = tl.program_id(1) + o_r * 0
+        i_kvh = tl.program_id(1) // QPK
+        o_tok = i_m * BLOCK_Q + o_r
+    o_d = tl.arange(0, HEAD_DIM)
+    m_q = o_tok < num_tokens
+    p_q = q_ptr + (o_tok.to(tl.int64) * HQ + o_h)[:, None] * HEAD_DIM + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_q[:, None], other=0.0)
+    m_i = tl.full([BLOCK_Q * (QPK if PACKED else 1)], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros_like(m_i)
+    acc = tl.zeros([BLOCK_Q * (QPK if PACKED else 1), HEAD_DIM], dtype=tl.float32)
+    first = i_m * BLOCK_Q
+    last = tl.minimum(first + BLOCK_Q, num_tokens) - 1
+    full_hi = (first + 1) // BLOCK_N
+    for j in range(0, full_hi):
+        acc, l_i, m_i = _ptr_key_tile(acc, l_i, m_i, b_q, k_ptr, v_ptr, block_table_ptr, j, o_tok, o_d, i_kvh,
+                                      num_tokens, scale_log2e, HEAD_DIM, BLOCK_N, HKV, PAGE, IEEE, False)
+    for j in range(full_hi, tl.cdiv(last + 1, BLOCK_N)):
+        acc, l_i, m_i = _ptr_key_tile(acc, l_i, m_i, b_q, k_ptr, v_ptr, block_table_ptr, j, o_tok, o_d, i_kvh,
+                                      num_tokens, scale_log2e, HEAD_DIM, BLOCK_N, HKV, PAGE, IEEE, True)
+    p_o = o_ptr + (o_tok.to(tl.int64) * HQ + o_h)[:, None] * HEAD_DIM + o_d[None, :]
+    tl.store(p_o, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=m_q[:, None])
+
+
+def ptr_causal(q, k, v, out, *, block_q: int, block_n: int, num_warps: int, num_stages: int, packed: bool,
+               page: int, caches=None):
+    """``tma_causal`` through ``_ptr_causal_kernel``; with ``page``, K/V from ``caches`` =
+    (k_cache, v_cache, block_table) of ``paged_cache(k, page)``."""
+    import torch
+
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    kk, vv, table = caches if page else (k, v, k)
+    _ptr_causal_kernel[(triton.cdiv(t, block_q), hkv if packed else hq)](
+        q, kk, vv, out, table, t, d ** -0.5 * 1.4426950408889634, QPK=hq // hkv, HEAD_DIM=d, BLOCK_Q=block_q,
+        BLOCK_N=block_n, HQ=hq, HKV=hkv, PACKED=packed, PAGE=page, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+# Pointer-load configs: (block_q tokens, block_n, warps, stages, packed, page)
+PTR_CONFIGS = [(64, 64, 4, 3, False, 0), (64, 64, 4, 3, False, 16), (16, 64, 4, 3, True, 0), (16, 64, 4, 3, True, 16),
+               (32, 64, 8, 3, True, 0), (32, 64, 8, 3, True, 16)]
+
+
+def ptr_label(cfg) -> str:
+    block_q, block_n, warps, stages, packed, page = cfg
+    return (f"ptr {block_q}{'x' + 'QPK' if packed else ''}x{block_n} w{warps} s{stages} "
+            + (f"paged{page}" if page else "contiguous"))
+
+
 def paged_cache(k, block_n: int, generator=None):
     """(cache [num_blocks, block_n, Hkv, D] holding k's rows in blocks placed at random, with
     two spare blocks; int32 block table)."""
@@ -298,6 +400,14 @@ def main() -> None:
             err = float((out.double() - want).abs().max())
             print(f"interpreter, {t} tokens, {label_of(cfg)}: max |err| {err:.2e}")
             assert err < 1e-4, err
+        for block_q, packed in ((16, False), (8, True)):
+            for page in (0, 16):
+                out = torch.full_like(q, float("nan"))
+                ptr_causal(q, k, v, out, block_q=block_q, block_n=16, num_warps=4, num_stages=2, packed=packed,
+                           page=page, caches=caches)
+                err = float((out.double() - want).abs().max())
+                print(f"interpreter, {t} tokens, pointers, packed={packed} page={page}: max |err| {err:.2e}")
+                assert err < 1e-4, err
         return
 
     from graphrt.bench.common import time_ms, write
@@ -338,7 +448,21 @@ def main() -> None:
                              of_sdpa=sdpa / ms, max_err_vs_sdpa=err))
             print(f"n={n:6d} {label:18s} {ms:.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s = {sdpa / ms:.2f} x SDPA "
                   f"(max |err| vs SDPA {err:.1e})", flush=True)
-        del q, k, v, qs, ks, vs, want, paged
+        k16, table16 = paged_cache(k, 16, torch.Generator().manual_seed(n))
+        v16, _ = paged_cache(v, 16, torch.Generator().manual_seed(n))
+        for cfg in PTR_CONFIGS:
+            out = torch.empty_like(q)
+            block_q, block_n, warps, stages, packed, page = cfg
+            run = lambda: ptr_causal(q, k, v, out, block_q=block_q, block_n=block_n, num_warps=warps,  # noqa: E731
+                                     num_stages=stages, packed=packed, page=page, caches=(k16, v16, table16))
+            run()
+            ms = time_ms(run, iters=20)
+            err = float((out.float() - want.float()).abs().max())
+            rows.append(dict(impl="ptr_probe", tokens=n, config=ptr_label(cfg), ms=ms, tflops=flops / ms / 1e9,
+                             of_sdpa=sdpa / ms, max_err_vs_sdpa=err))
+            print(f"n={n:6d} {ptr_label(cfg):30s} {ms:.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s = {sdpa / ms:.2f} x "
+                  f"SDPA (max |err| vs SDPA {err:.1e})", flush=True)
+        del q, k, v, qs, ks, vs, want, paged, k16, v16
     print(f"wrote {write(args.out, 'probe_prefill_tma', rows)}")
 
 
