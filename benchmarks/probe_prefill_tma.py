@@ -158,20 +158,24 @@ def _paged_tma_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, o_ptr, n
 @triton.jit
 def _ptr_key_tile(acc, l_i, m_i, b_q, k_ptr, v_ptr, block_table_ptr, j, o_tok, o_d, i_kvh, num_tokens, scale_log2e,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, PAGE: tl.constexpr,
-                  IEEE: tl.constexpr, MASKED: tl.constexpr):
+                  IEEE: tl.constexpr, MASKED: tl.constexpr, k_desc=None, v_desc=None, TMA: tl.constexpr = False):
     k_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
     m_k = k_pos < num_tokens
-    if PAGE > 0:
+    if TMA:                   # rows past the tensor read as zeros; past num_tokens, masked below
+        b_k = k_desc.load([j * BLOCK_N, i_kvh * HEAD_DIM]).T
+        b_v = v_desc.load([j * BLOCK_N, i_kvh * HEAD_DIM])
+    elif PAGE > 0:
         row = tl.load(block_table_ptr + k_pos // PAGE, mask=m_k, other=0) * PAGE + k_pos % PAGE
     else:
         row = k_pos
-    row = row.to(tl.int64) * HKV + i_kvh
-    if MASKED:
-        b_k = tl.load(k_ptr + row[None, :] * HEAD_DIM + o_d[:, None], mask=m_k[None, :], other=0.0)
-        b_v = tl.load(v_ptr + row[:, None] * HEAD_DIM + o_d[None, :], mask=m_k[:, None], other=0.0)
-    else:
-        b_k = tl.load(k_ptr + row[None, :] * HEAD_DIM + o_d[:, None])
-        b_v = tl.load(v_ptr + row[:, None] * HEAD_DIM + o_d[None, :])
+    if not TMA:
+        row = row.to(tl.int64) * HKV + i_kvh
+        if MASKED:
+            b_k = tl.load(k_ptr + row[None, :] * HEAD_DIM + o_d[:, None], mask=m_k[None, :], other=0.0)
+            b_v = tl.load(v_ptr + row[:, None] * HEAD_DIM + o_d[None, :], mask=m_k[:, None], other=0.0)
+        else:
+            b_k = tl.load(k_ptr + row[None, :] * HEAD_DIM + o_d[:, None])
+            b_v = tl.load(v_ptr + row[:, None] * HEAD_DIM + o_d[None, :])
     if IEEE:
         b_s = tl.dot(b_q, b_k, input_precision="ieee")
     else:
@@ -194,12 +198,13 @@ def _ptr_key_tile(acc, l_i, m_i, b_q, k_ptr, v_ptr, block_table_ptr, j, o_tok, o
 def _ptr_causal_kernel(q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, num_tokens, scale_log2e,
                        QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                        HQ: tl.constexpr, HKV: tl.constexpr, PACKED: tl.constexpr, PAGE: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       IEEE: tl.constexpr, k_desc=None, v_desc=None, TMA: tl.constexpr = False):
     """The same causal prefill through plain pointer loads: K/V rows contiguous (PAGE 0) or
     gathered from a cache of PAGE-token blocks through a block table (graphrt's layout); a
     program holds one query head's BLOCK_Q tokens, or with PACKED the QPK heads of one KV
     head (BLOCK_Q tokens x QPK rows, graphrt's tiles). Full key tiles unmasked, then the
-    diagonal ones masked."""
+    diagonal ones masked. With TMA, K/V (contiguous) through host descriptors instead
+    (queries and outputs still through pointers)."""
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
     o_r = tl.arange(0, BLOCK_Q * (QPK if PACKED else 1))
     if PACKED:
@@ -222,39 +227,45 @@ def _ptr_causal_kernel(q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, num_tokens, 
     full_hi = (first + 1) // BLOCK_N
     for j in range(0, full_hi):
         acc, l_i, m_i = _ptr_key_tile(acc, l_i, m_i, b_q, k_ptr, v_ptr, block_table_ptr, j, o_tok, o_d, i_kvh,
-                                      num_tokens, scale_log2e, HEAD_DIM, BLOCK_N, HKV, PAGE, IEEE, False)
+                                      num_tokens, scale_log2e, HEAD_DIM, BLOCK_N, HKV, PAGE, IEEE, False, k_desc, v_desc, TMA)
     for j in range(full_hi, tl.cdiv(last + 1, BLOCK_N)):
         acc, l_i, m_i = _ptr_key_tile(acc, l_i, m_i, b_q, k_ptr, v_ptr, block_table_ptr, j, o_tok, o_d, i_kvh,
-                                      num_tokens, scale_log2e, HEAD_DIM, BLOCK_N, HKV, PAGE, IEEE, True)
+                                      num_tokens, scale_log2e, HEAD_DIM, BLOCK_N, HKV, PAGE, IEEE, True, k_desc, v_desc, TMA)
     p_o = o_ptr + (o_tok.to(tl.int64) * HQ + o_h)[:, None] * HEAD_DIM + o_d[None, :]
     tl.store(p_o, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=m_q[:, None])
 
 
 def ptr_causal(q, k, v, out, *, block_q: int, block_n: int, num_warps: int, num_stages: int, packed: bool,
                page: int, caches=None):
-    """``tma_causal`` through ``_ptr_causal_kernel``; with ``page``, K/V from ``caches`` =
-    (k_cache, v_cache, block_table) of ``paged_cache(k, page)``."""
+    """``tma_causal`` through ``_ptr_causal_kernel``; with ``page`` > 0, K/V from ``caches`` =
+    (k_cache, v_cache, block_table) of ``paged_cache(k, page)``; page -1: K/V through TMA."""
     import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     t, hq, d = q.shape
     hkv = k.shape[1]
-    kk, vv, table = caches if page else (k, v, k)
+    kk, vv, table = caches if page > 0 else (k, v, k)
+    descs = {}
+    if page < 0:
+        descs = dict(k_desc=TensorDescriptor.from_tensor(k.view(t, -1), [block_n, d]),
+                     v_desc=TensorDescriptor.from_tensor(v.view(t, -1), [block_n, d]), TMA=True)
     _ptr_causal_kernel[(triton.cdiv(t, block_q), hkv if packed else hq)](
         q, kk, vv, out, table, t, d ** -0.5 * 1.4426950408889634, QPK=hq // hkv, HEAD_DIM=d, BLOCK_Q=block_q,
-        BLOCK_N=block_n, HQ=hq, HKV=hkv, PACKED=packed, PAGE=page, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, HQ=hq, HKV=hkv, PACKED=packed, PAGE=max(page, 0), IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages, **descs)
     return out
 
 
-# Pointer-load configs: (block_q tokens, block_n, warps, stages, packed, page)
-PTR_CONFIGS = [(64, 64, 4, 3, False, 0), (64, 64, 4, 3, False, 16), (16, 64, 4, 3, True, 0), (16, 64, 4, 3, True, 16),
-               (32, 64, 8, 3, True, 0), (32, 64, 8, 3, True, 16)]
+# Pointer-load configs: (block_q tokens, block_n, warps, stages, packed, page: 0 contiguous, -1 TMA)
+PTR_CONFIGS = [(64, 64, 4, 3, False, 0), (64, 64, 4, 3, False, 16), (64, 64, 4, 3, False, -1),
+               (16, 64, 4, 3, True, 0), (16, 64, 4, 3, True, 16), (16, 64, 4, 3, True, -1), (16, 64, 4, 4, True, -1),
+               (32, 64, 8, 3, True, -1), (32, 128, 8, 2, True, -1), (64, 64, 8, 3, True, -1)]
 
 
 def ptr_label(cfg) -> str:
     block_q, block_n, warps, stages, packed, page = cfg
     return (f"ptr {block_q}{'x' + 'QPK' if packed else ''}x{block_n} w{warps} s{stages} "
-            + (f"paged{page}" if page else "contiguous"))
+            + (f"paged{page}" if page > 0 else "TMA" if page < 0 else "contiguous"))
 
 
 def paged_cache(k, block_n: int, generator=None):
@@ -401,7 +412,7 @@ def main() -> None:
             print(f"interpreter, {t} tokens, {label_of(cfg)}: max |err| {err:.2e}")
             assert err < 1e-4, err
         for block_q, packed in ((16, False), (8, True)):
-            for page in (0, 16):
+            for page in (0, 16, -1):
                 out = torch.full_like(q, float("nan"))
                 ptr_causal(q, k, v, out, block_q=block_q, block_n=16, num_warps=4, num_stages=2, packed=packed,
                            page=page, caches=caches)

@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, default=None, help="a register cap (KernelConfig.maxnreg)")
     parser.add_argument("--write-kv", action="store_true",
                         help="the launch writes the new K/V (paged_attention's new_kv)")
+    parser.add_argument("--read-new", action="store_true",
+                        help="a prefill launch given new_kv: the new keys from k/v through tensor descriptors")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--seqs", type=int, default=256, help="the decode bucket's sequences")
     args = parser.parse_args()
@@ -70,7 +72,7 @@ def main() -> None:
                      KV_OFF32=not args.offsets_64,
                      FUSE_MERGE=args.splits > 1 and not args.merge_launch,
                      MERGE_ROWS=args.merge_rows, DECODE_MAP=not args.mixed, WRITE_KV=args.write_kv, ROUND_E4M3=False,
-                     PDL=args.pdl)
+                     READ_NEW=args.read_new, PDL=args.pdl)
         # the values the runtime passes for a 256-sequence decode bucket (what Triton
         # specialises on: == 1, divisible by 16)
         ints = dict(stride_q_tok=4096, stride_q_head=128, stride_k_blk=16384, stride_k_tok=1024, stride_k_head=128,
@@ -86,6 +88,9 @@ def main() -> None:
                 signature[n] = "constexpr"
             elif n in ("k_cache_ptr", "v_cache_ptr"):
                 signature[n] = "*fp8e4nv" if args.fp8 else "*" + args.q_dtype
+            elif n in ("k_desc", "v_desc"):
+                signature[n] = (f"tensordesc<{args.q_dtype}[{args.block_n}, {const['HEAD_DIM_PAD']}]>" if args.read_new
+                                else "*" + args.q_dtype)
             elif n in ("q_ptr", "out_ptr", "k_new_ptr", "v_new_ptr"):
                 signature[n] = "*" + args.q_dtype
             elif n in ("part_o_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr"):
@@ -102,7 +107,7 @@ def main() -> None:
                 signature[n], const[n] = "constexpr", 1
             else:
                 signature[n] = "i32"
-            if signature[n].startswith("*") or (n in ints and n not in fixed and ints[n] % 16 == 0
+            if signature[n].startswith("*") and n not in ("k_desc", "v_desc") or (n in ints and n not in fixed and ints[n] % 16 == 0
                                                 and signature[n] != "constexpr"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         constexprs = {(names.index(k),): v for k, v in const.items() if k in names}

@@ -14,22 +14,14 @@ RULE_RANGES_UNCLIPPED: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
-def _attend_key_tile(
-    acc, l_i, m_i, kt,
-    b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-    p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
-    stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-    o_d, m_d,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
-    KV_OFF32: tl.constexpr, MASKED: tl.constexpr,
-):
-    """Online-softmax update of (acc, l_i, m_i) with key tile kt. MASKED=False is for tiles
-    every row of the query tile sees in full (all keys causal, inside the window and
-    before seq_len): no mask is built and no load is masked by position."""
-    k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
+def _load_cache_tile(k_pos, seq_len, p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
+                     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, o_d, m_d,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KV_OFF32: tl.constexpr, MASKED: tl.constexpr):
+    """K [HEAD_DIM_PAD, BLOCK_N] and V [BLOCK_N, HEAD_DIM_PAD] of the keys at k_pos from
+    the paged caches, and which of them lie before seq_len (used where MASKED)."""
+    m_k = k_pos < seq_len
     if MASKED:
-        m_k = k_pos < seq_len
         i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0)
     else:
         i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk)
@@ -64,6 +56,40 @@ def _attend_key_tile(
     else:
         b_k = tl.load(p_k, mask=m_d[:, None], other=0.0)
         b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+    return b_k, b_v, m_k
+
+
+@triton.jit
+def _attend_key_tile(
+    acc, l_i, m_i, kt,
+    b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+    p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
+    stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+    o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
+    KV_OFF32: tl.constexpr, MASKED: tl.constexpr, NEW: tl.constexpr, KV_FP8: tl.constexpr, ROUND_E4M3: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) with key tile kt. MASKED=False is for tiles
+    every row of the query tile sees in full (all keys causal, inside the window and
+    before seq_len): no mask is built and no load is masked by position. NEW: tile kt of
+    the step's new keys instead (positions new_pos0 + kt * BLOCK_N on, rows new_row0 +
+    kt * BLOCK_N on of k_new/v_new), through tensor descriptors (one bulk copy each of K
+    and V; rows outside the tensors read as zeros); for fp8 caches rounded to the codes
+    the cache gets for them, so that they count as they will when read back."""
+    if NEW:
+        k_pos = new_pos0 + kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_k = k_pos < seq_len
+        b_k = k_desc.load([new_row0 + kt * BLOCK_N, new_col]).T   # [HEAD_DIM_PAD, BLOCK_N]
+        b_v = v_desc.load([new_row0 + kt * BLOCK_N, new_col])
+        if KV_FP8:
+            b_k = _to_e4m3_values(b_k, k_sc, ROUND_E4M3).to(tl.float8e4nv)
+            b_v = _to_e4m3_values(b_v, v_sc, ROUND_E4M3).to(tl.float8e4nv)
+    else:
+        k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
+        b_k, b_v, m_k = _load_cache_tile(k_pos, seq_len, p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
+                                         stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, o_d, m_d,
+                                         HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, KV_OFF32, MASKED)
 
     b_k = b_k.to(b_q.dtype)       # fp8 caches: e4m3 codes to q's dtype (their scale is folded in elsewhere)
     b_v = b_v.to(b_q.dtype)
@@ -127,10 +153,10 @@ def _attend_span(
     b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
     p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-    o_d, m_d,
+    o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
-    KV_OFF32: tl.constexpr, MASKED: tl.constexpr,
+    KV_OFF32: tl.constexpr, MASKED: tl.constexpr, NEW: tl.constexpr, KV_FP8: tl.constexpr, ROUND_E4M3: tl.constexpr,
 ):
     """(acc, l_i, m_i) over a_count key tiles from a_start, then b_count from b_start. The
     masked tiles' two runs share one loop (one copy of the code to compile); the full
@@ -141,13 +167,17 @@ def _attend_span(
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
                 p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, True)
+                o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
+                HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, True,
+                NEW, KV_FP8, ROUND_E4M3)
     else:
         for kt in range(a_start, a_start + a_count):
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
                 p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, False)
+                o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
+                HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, False,
+                NEW, KV_FP8, ROUND_E4M3)
     return acc, l_i, m_i
 
 
@@ -231,7 +261,7 @@ def _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_p
 def _attend_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-    k_new_ptr, v_new_ptr, slot_mapping_ptr,
+    k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc,
     i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now, num_slots,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
@@ -249,13 +279,15 @@ def _attend_tile(
     MAX_RANGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, KV_OFF32: tl.constexpr, FUSE_MERGE: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, WRITE_KV: tl.constexpr, ROUND_E4M3: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, WRITE_KV: tl.constexpr, ROUND_E4M3: tl.constexpr, READ_NEW: tl.constexpr,
 ):
     """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
     sequence over this split's share of its visible key tiles; writes the output, or the
     partial output and log-sum-exp of its split (for ``_merge_kernel``, or with FUSE_MERGE
     for the tile's last split to finish, which merges them, see ``_merge_tile``). With
-    WRITE_KV it first writes the new tokens' K/V that its key tiles hold into the caches."""
+    WRITE_KV it first writes the new tokens' K/V that its key tiles hold into the caches.
+    With READ_NEW it reads the new keys from k_new/v_new (descriptors k_desc, v_desc) and
+    writes its own tokens' K/V into the caches."""
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
     ctx_len = seq_len - q_len
@@ -306,14 +338,43 @@ def _attend_tile(
     # Tiles every row sees in full: keys <= first_pos (causal for all rows) and, with a
     # window, >= last_pos - window + 1 (inside every row's window). They skip the mask.
     ft_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), kt_lo), kt_hi)
-    # (and below seq_len: metadata holding arbitrary values can put first_pos past it, and
+    c_end = seq_len              # the cache's keys end here
+    if READ_NEW:
+        # Keys below ctx_len from the cache, the new ones from k_new/v_new in tiles counted
+        # from ctx_len (new tile j: new tokens j * BLOCK_N on), so that the causal diagonal
+        # and the full tiles below it fall as in a fresh prefill. Every context key is
+        # causal for every row (ctx_len <= first_pos).
+        c_end = ctx_len
+        kt_hi = tl.maximum(tl.cdiv(tl.minimum(k_hi, ctx_len), BLOCK_N), kt_lo)
+        ft_lo = tl.minimum(ft_lo, kt_hi)
+        nt_lo = tl.maximum(k_lo - ctx_len, 0) // BLOCK_N
+        nt_hi = tl.maximum(tl.cdiv(k_hi - ctx_len, BLOCK_N), nt_lo)
+        nf_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(full_lo - ctx_len, 0), BLOCK_N), nt_lo), nt_hi)
+        nf_hi = tl.minimum(tl.maximum((i_qblk * BLOCK_Q + 1) // BLOCK_N, nf_lo), nt_hi)
+        ns_lo = nt_lo
+        ns_hi = nt_hi
+    # (and below c_end: metadata holding arbitrary values can put first_pos past it, and
     # these tiles' block-table loads are not masked)
-    ft_hi = tl.minimum(tl.maximum(tl.minimum(first_pos + 1, seq_len) // BLOCK_N, ft_lo), kt_hi)
+    ft_hi = tl.minimum(tl.maximum(tl.minimum(first_pos + 1, c_end) // BLOCK_N, ft_lo), kt_hi)
     st_lo = kt_lo
     st_hi = kt_hi
     m_q = m_row
     per_split = kt_hi - kt_lo
-    if SPLIT:        # the split count is the grid's third dimension: one variant serves any
+    if SPLIT and READ_NEW:   # the split count is the grid's third dimension: one variant serves any
+        # splits share the cache's tiles and then the new ones, counted as one run
+        num_all = kt_hi - kt_lo + nt_hi - nt_lo
+        per_split = tl.cdiv(num_all, tl.num_programs(2))
+        v_lo = i_split * per_split
+        v_hi = tl.minimum(v_lo + per_split, num_all)
+        st_lo = kt_lo + tl.minimum(v_lo, kt_hi - kt_lo)
+        st_hi = kt_lo + tl.minimum(v_hi, kt_hi - kt_lo)
+        ns_lo = nt_lo + tl.maximum(v_lo - (kt_hi - kt_lo), 0)
+        ns_hi = nt_lo + tl.maximum(v_hi - (kt_hi - kt_lo), 0)
+        num_active = tl.where(num_all > 0, tl.cdiv(num_all, tl.maximum(per_split, 1)), 0)
+        if FUSE_MERGE and merge_now != 0 and i_split >= tl.maximum(num_active, 1):
+            return
+        m_q = m_row & (v_lo + o_m * 0 < v_hi)
+    elif SPLIT:
         per_split = tl.cdiv(kt_hi - kt_lo, tl.num_programs(2))
         st_lo = kt_lo + i_split * per_split
         st_hi = tl.minimum(st_lo + per_split, kt_hi)
@@ -365,21 +426,57 @@ def _attend_tile(
     p_bt = block_table_ptr + i_seq.to(tl.int64) * stride_bt_seq
     k_head_ptr = k_cache_ptr + i_kvh * stride_k_head
     v_head_ptr = v_cache_ptr + i_kvh * stride_v_head
+    k_sc = 1.0
+    v_sc = 1.0
+    if READ_NEW and KV_FP8:
+        k_sc = tl.load(k_scale_ptr + i_kvh)
+        v_sc = tl.load(v_scale_ptr + i_kvh)
+    new_col = i_kvh * HEAD_DIM
     # This split's share [st_lo, st_hi) of three runs: masked, full, masked (the two
     # masked runs go through one loop).
     lo_end = tl.minimum(ft_lo, st_hi)
     hi_start = tl.maximum(ft_hi, st_lo)
     acc, l_i, m_i = _attend_span(
         acc, l_i, m_i, st_lo, tl.maximum(lo_end - st_lo, 0), hi_start, tl.maximum(st_hi - hi_start, 0),
-        b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+        b_q, q_pos, r_start, r_end, c_end, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, True)
+        o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
+        HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, True,
+        False, KV_FP8, ROUND_E4M3)
     full_start = tl.maximum(ft_lo, st_lo)
     acc, l_i, m_i = _attend_span(
         acc, l_i, m_i, full_start, tl.maximum(tl.minimum(ft_hi, st_hi) - full_start, 0), 0, 0,
-        b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+        b_q, q_pos, r_start, r_end, c_end, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-        o_d, m_d, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, False)
+        o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
+        HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, False,
+        False, KV_FP8, ROUND_E4M3)
+    if READ_NEW:     # the same three runs over the new keys' tiles [ns_lo, ns_hi)
+        lo_end = tl.minimum(nf_lo, ns_hi)
+        hi_start = tl.maximum(nf_hi, ns_lo)
+        acc, l_i, m_i = _attend_span(
+            acc, l_i, m_i, ns_lo, tl.maximum(lo_end - ns_lo, 0), hi_start, tl.maximum(ns_hi - hi_start, 0),
+            b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+            p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+            o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
+            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, True,
+            True, KV_FP8, ROUND_E4M3)
+        full_start = tl.maximum(nf_lo, ns_lo)
+        acc, l_i, m_i = _attend_span(
+            acc, l_i, m_i, full_start, tl.maximum(tl.minimum(nf_hi, ns_hi) - full_start, 0), 0, 0,
+            b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+            p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+            o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
+            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, False,
+            True, KV_FP8, ROUND_E4M3)
+        # No program of this launch reads the new keys from the caches: split 0 of each
+        # query tile writes its own tokens' K/V there, for the steps after this one.
+        if i_split == 0:
+            _write_new_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                          i_kvh, q_start, ctx_len, first_pos, tl.minimum(first_pos + BLOCK_Q, seq_len), num_q_rows,
+                          num_slots, stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
+                          stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
+                          o_d, m_d, KV_BLOCK_SIZE, KV_FP8, ROUND_E4M3, BLOCK_Q)
 
     has_keys = l_i > 0.0
     b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -416,7 +513,7 @@ _PER_BUCKET = ["max_num_seqs", "num_q_rows", "stride_bt_blk", "stride_po_tok", "
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-    k_new_ptr, v_new_ptr, slot_mapping_ptr,
+    k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -436,7 +533,7 @@ def _attn_kernel(
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, KV_OFF32: tl.constexpr, FUSE_MERGE: tl.constexpr,
     MERGE_ROWS: tl.constexpr, DECODE_MAP: tl.constexpr, WRITE_KV: tl.constexpr, ROUND_E4M3: tl.constexpr,
-    PDL: tl.constexpr,
+    READ_NEW: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         # launched as a programmatic dependent of the kernel before it: wait for that one
@@ -508,7 +605,7 @@ def _attn_kernel(
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-            k_new_ptr, v_new_ptr, slot_mapping_ptr,
+            k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc,
             i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now, num_slots,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
@@ -517,12 +614,12 @@ def _attn_kernel(
             scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, SHORT_Q, SHORT_BLOCK_N, MAX_RANGES,
             USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, KV_OFF32, FUSE_MERGE, MERGE_ROWS,
-            WRITE_KV, ROUND_E4M3)
+            WRITE_KV or READ_NEW, ROUND_E4M3, False)   # (short tiles write then read back, as decode launches)
     else:
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-            k_new_ptr, v_new_ptr, slot_mapping_ptr,
+            k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc,
             i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now, num_slots,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
@@ -531,7 +628,7 @@ def _attn_kernel(
             scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
             USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, KV_OFF32, FUSE_MERGE, MERGE_ROWS,
-            WRITE_KV, ROUND_E4M3)
+            WRITE_KV, ROUND_E4M3, READ_NEW)
 
 
 @triton.jit

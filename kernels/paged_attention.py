@@ -51,6 +51,7 @@ from ._attention_jit import (RULE_CLIP, RULE_RANGES_UNCLIPPED, RULE_TWO_SIDED, _
                              _attend_key_tile, _attend_span, _attend_tile, _attn_kernel, _merge_kernel)
 from ._checks import (CACHE_DTYPES, MAX_HEAD_DIM, check_cache_dtypes, check_head_dim, check_kv_scales,
                       check_runnable, check_same_dtype, check_shape, check_tensor, pdl_supported)
+from .kv_write import write_kv
 from .metadata import AttentionMetadata
 
 # How a sliding window and prefix ranges combine (see the module doc). The names say what
@@ -187,6 +188,25 @@ def _offsets_fit_32(cache: torch.Tensor) -> bool:
     return sum((n - 1) * st for n, st in zip(cache.shape, cache.stride())) + MAX_HEAD_DIM < 2 ** 31
 
 
+def _bulk_loadable(k: torch.Tensor, v: torch.Tensor, block_n: int, head_dim_pad: int) -> bool:
+    """Whether the attention kernel can read k and v ([T, Hkv, D]) as rows [T, Hkv * D]
+    through tensor descriptors (bulk copies, sm_90 and up; Triton's interpreter emulates
+    them): heads adjacent, 16-byte aligned rows and start."""
+    if k.device.type == "cuda" and torch.cuda.get_device_capability(k.device)[0] < 9:
+        return False
+    size = k.element_size()
+    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * size) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in (k, v)) and head_dim_pad * size >= 16 and block_n <= 256
+
+
+def _rows_descriptor(t: torch.Tensor, block_n: int, head_dim_pad: int):
+    """A descriptor of t [T, Hkv, D] as rows [T, Hkv * D] in blocks [block_n, head_dim_pad]
+    (columns past a head's D belong to the next head, or read as zeros past the last)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_n, head_dim_pad])
+
+
 def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -218,11 +238,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
              here when None (pass them when capturing, so the graph owns fixed buffers);
              (part_o, part_lse) without counters: the merge is a second launch.
     max_query_len: a capacity hint (1 for decode-only launches) that picks the tile shape.
-    new_kv:  (k, v), the step's new K and V ([T, Hkv, D], q's dtype), for decode launches
-             (``max_query_len=1``): the launch writes them into the caches itself, at
-             ``meta.slot_mapping`` as ``write_kv`` would (quantized alike for fp8), so that
-             a decode layer needs no separate write. It writes the tokens of the metadata's
-             sequences (every token of a Step); a row outside them is left to ``write_kv``.
+    new_kv:  (k, v), the step's new K and V ([T, Hkv, D], q's dtype): the launch writes
+             them into the caches itself, at ``meta.slot_mapping`` as ``write_kv`` would
+             (quantized alike for fp8), so that a layer needs no separate write. It writes
+             the tokens of the metadata's sequences (every token of a Step); a row outside
+             them is left to ``write_kv``. Other than decode launches (``max_query_len=1``)
+             also read the new keys from k and v, in bulk copies (tensor descriptors,
+             sm_90 and up) where k and v allow them (heads adjacent, 16-byte aligned rows);
+             elsewhere a ``write_kv`` runs first and the launch reads the caches.
     """
     check_tensor("meta", meta.seq_lens, dim=1, dtypes=(torch.int32,))
     device = meta.device
@@ -268,9 +291,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         for i, t in enumerate(new_kv):
             check_tensor(f"new_kv[{i}]", t, dim=3, dtypes=(q.dtype,), device=device)
             check_shape(f"new_kv[{i}]", t, (num_tokens, num_kv_heads, head_dim))
-        if max_query_len != 1:
-            raise ValueError(f"new_kv (the launch writes the new K/V) is for decode launches (max_query_len=1), got "
-                             f"max_query_len={max_query_len!r}: call write_kv before the others")
         check_tensor("meta.slot_mapping", meta.slot_mapping, dim=1, dtypes=(torch.int64,), device=device)
     qpk = num_q_heads // num_kv_heads
     cfg = config or default_config(head_dim, q.dtype, qpk, max_query_len=max_query_len, num_tokens=num_tokens)
@@ -330,11 +350,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_dim_pad = triton.next_power_of_2(head_dim)
     pdl = pdl_supported(device, cfg.pdl)
     off32 = _offsets_fit_32(k_cache) and _offsets_fit_32(v_cache)
-    k_new, v_new = new_kv if new_kv is not None else (out, out)     # (unused without WRITE_KV)
+    k_new, v_new = new_kv if new_kv is not None else (out, out)     # (unused without WRITE_KV or READ_NEW)
+    decode = max_query_len == 1
+    k_desc = v_desc = out                                             # (unused without READ_NEW)
+    read_new = new_kv is not None and not decode
+    if read_new:
+        if _bulk_loadable(k_new, v_new, cfg.block_n, head_dim_pad):
+            k_desc, v_desc = (_rows_descriptor(t, cfg.block_n, head_dim_pad) for t in new_kv)
+        else:            # no bulk copies here: the write first, then attention over the caches
+            write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+            read_new = False
+            k_new, v_new = out, out
     _attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,
-        k_scale if fp8 else out, v_scale if fp8 else out, counters, k_new, v_new, meta.slot_mapping,
+        k_scale if fp8 else out, v_scale if fp8 else out, counters, k_new, v_new, meta.slot_mapping, k_desc, v_desc,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -353,8 +383,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_SOFTCAP=softcap is not None,
         # bf16 dots are wrong under the interpreter: there they run in fp32 too
         SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
-        KV_FP8=fp8, KV_OFF32=off32, FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=max_query_len == 1,
-        WRITE_KV=new_kv is not None, ROUND_E4M3=new_kv is not None and fp8 and device.type == "cpu", PDL=pdl,
+        KV_FP8=fp8, KV_OFF32=off32, FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=decode,
+        WRITE_KV=new_kv is not None and decode, ROUND_E4M3=new_kv is not None and fp8 and device.type == "cpu",
+        READ_NEW=read_new, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )
     if num_splits > 1 and not merge_now:

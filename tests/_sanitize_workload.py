@@ -61,6 +61,9 @@ def kernels(small: bool = False) -> int:
                         launches += 1
                 else:
                     paged_attention(q, kc, vc, out, meta, num_splits=splits, **opts)
+                    # and given the new K/V: written in the launch, new keys read from k (descriptors)
+                    paged_attention(q, kc, vc, out, meta, num_splits=splits, new_kv=(k, k), **opts)
+                    launches += 1
                 launches += 1
     # an fp8 cache: quantizing write, dequantizing attention (bf16 queries)
     meta, _ = build_meta(seqs, block_size=16, num_blocks=40, max_ranges=2, rng=rng, device=dev, num_seqs=7,
@@ -73,11 +76,13 @@ def kernels(small: bool = False) -> int:
     write_kv(k, k, kc, vc, meta, k_scale=scale, v_scale=scale)
     for splits in (1, 3):
         paged_attention(q, kc, vc, torch.empty_like(q), meta, num_splits=splits, k_scale=scale, v_scale=scale)
+        paged_attention(q, kc, vc, torch.empty_like(q), meta, num_splits=splits, k_scale=scale, v_scale=scale,
+                        new_kv=(k, k))
     dmeta, _ = build_meta([Seq(1, 100), Seq(1, 5), Seq(1, 300)], block_size=16, num_blocks=40, rng=rng, max_ranges=2,
                           device=dev, num_seqs=4, num_tokens=4)
     paged_attention(q[:4], kc, vc, torch.empty_like(q[:4]), dmeta, num_splits=4, max_query_len=1, k_scale=scale,
                     v_scale=scale, new_kv=(k[:4], k[:4]))
-    launches += 4
+    launches += 6
     # metadata holding arbitrary values: the kernels must stay inside their tensors
     for trial in range(24):
         s, t, w, r = (int(rng.integers(1, 5)), int(rng.integers(1, 40)), int(rng.integers(1, 6)),
@@ -99,10 +104,10 @@ def kernels(small: bool = False) -> int:
                         window=int(rng.choice([5, 2 ** 40])) if trial % 2 else None,
                         window_rule=str(rng.choice(["clip", "two_sided", "ranges_unclipped"])))
         launches += 2
-        if trial % 6 == 0:        # a decode launch writing the new K/V itself
+        if trial % 3 == 0:        # a launch writing the new K/V itself (decode, or reading them from k)
             paged_attention(q, kc, kc.clone(), torch.empty_like(q), meta, num_splits=splits,
                             workspace=split_workspace(t, 8, 64, splits, dev) if splits > 1 else None,
-                            max_query_len=1, new_kv=(k, k))
+                            max_query_len=1 if trial % 2 else None, new_kv=(k, k))
             launches += 1
     torch.cuda.synchronize()
     return launches

@@ -86,9 +86,8 @@ def _call(setup, **change):
      r"^config.maxnreg must be None or an int in \[64, 255\], got 128.0"),
     (lambda s: dict(new_kv=torch.randn(6, 2, 64, device=s["q"].device), max_query_len=1), TypeError,
      r"^new_kv must be a pair \(k, v\)"),
-    (lambda s: dict(new_kv=(torch.randn(6, 2, 64, device=s["q"].device),) * 2), ValueError,
-     r"^new_kv \(the launch writes the new K/V\) is for decode launches \(max_query_len=1\), got "
-     r"max_query_len=None"),
+    (lambda s: dict(new_kv=(torch.randn(6, 2, 64, device=s["q"].device), torch.randn(6, 2, 32, device=s["q"].device))),
+     ValueError, r"^new_kv\[1\] must have shape \(6, 2, 64\)"),
     (lambda s: dict(new_kv=(torch.randn(6, 2, 64, device=s["q"].device), torch.randn(5, 2, 64, device=s["q"].device)),
                     max_query_len=1), ValueError, r"^new_kv\[1\] must have shape \(6, 2, 64\)"),
     (lambda s: dict(new_kv=(torch.randn(6, 2, 64, device=s["q"].device).half(),) * 2, max_query_len=1), TypeError,
@@ -98,7 +97,7 @@ def _call(setup, **change):
         "window-rule", "ranges-int", "window-0", "window-float", "window-bool", "softcap-0", "softcap-inf",
         "softcap-nan", "softcap-bool", "scale-nan", "scale-inf", "scale-negative", "scale-tiny", "softcap-1e30", "splits-0", "splits-bool",
         "workspace", "workspace-no-counters", "workspace-counters-short", "workspace-counters-float",
-        "workspace-not-a-tuple", "maxnreg-low", "maxnreg-float", "new-kv-not-a-pair", "new-kv-not-decode",
+        "workspace-not-a-tuple", "maxnreg-low", "maxnreg-float", "new-kv-not-a-pair", "new-kv-shape-prefill",
         "new-kv-shape", "new-kv-dtype"])
 def test_paged_attention_rejects(setup, change, err, match):
     before = {name: setup[name].clone() for name in ("out", "k_cache", "v_cache")}

@@ -76,36 +76,42 @@ def test_fp8_cache_matches_reference(opt, dt, head_dim, device):
     assert rms < 0.04 and worst < 0.1, f"fp8 cache error: rms {rms:.3g}, worst {worst:.3g} of max |out| (seed={seed})"
 
 
+@pytest.mark.parametrize("launch", ["decode", "mixed"])
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("dt", list(DTYPES))
-def test_fp8_decode_launch_writes_new_kv(dt, splits, device):
-    """A decode launch given ``new_kv`` quantizes and writes the new K/V itself: the same
-    codes as the reference write, and attention over them as the reference's."""
+def test_fp8_launch_writes_new_kv(dt, splits, launch, device):
+    """A launch given ``new_kv`` quantizes and writes the new K/V itself: the same codes as
+    the reference write, and attention over them as the reference's (a mixed launch reads
+    the new keys from k/v, rounded to the codes the cache gets)."""
     dtype = DTYPES[dt]
     seed = fresh_seed()
     rng, gen = rngs(seed)
-    seqs = [Seq(1, 40, ((2, 30),)), Seq(1, 0), Seq(1, 200), Seq(1, 15), Seq(1, 63)]
+    if launch == "decode":
+        seqs = [Seq(1, 40, ((2, 30),)), Seq(1, 0), Seq(1, 200), Seq(1, 15), Seq(1, 63)]
+    else:
+        seqs = [Seq(1, 40, ((2, 30),)), Seq(30, 0, ((5, 20),)), Seq(17, 150), Seq(1, 15), Seq(3, 60)]
+    total = sum(s.q_len for s in seqs)
     meta, _ = build_meta(seqs, block_size=16, num_blocks=30, max_ranges=1, rng=rng, device=device, num_seqs=6,
-                         num_tokens=7)
+                         num_tokens=total + 2)
     spread = torch.tensor([0.5, 4.0])[:, None]
     old_scale = torch.full((2,), 0.01, device=device)      # what the cached context was written with
     k_cache, v_cache = (reference.quantize(torch.randn(480, 2, 64, generator=gen).to(device), old_scale)
                         .view(30, 16, 2, 64) for _ in range(2))
-    k_new, v_new = ((torch.randn(7, 2, 64, generator=gen) * spread).to(device, dtype) for _ in range(2))
+    k_new, v_new = ((torch.randn(total + 2, 2, 64, generator=gen) * spread).to(device, dtype) for _ in range(2))
     k_scale, v_scale = per_head_scales(k_new[None]), per_head_scales(v_new[None])
-    q = torch.randn(7, 8, 64, generator=gen).to(device, dtype)
+    q = torch.randn(total + 2, 8, 64, generator=gen).to(device, dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     reference.write_kv(k_new, v_new, k_ref, v_ref, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     out = torch.full_like(q, float("nan"))
 
-    paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, max_query_len=1, k_scale=k_scale,
-                    v_scale=v_scale, new_kv=(k_new, v_new))
+    paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, max_query_len=1 if launch == "decode" else None,
+                    k_scale=k_scale, v_scale=v_scale, new_kv=(k_new, v_new))
 
     assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8)), f"fp8 K codes differ (seed={seed})"
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8)), f"fp8 V codes differ (seed={seed})"
     ref = reference.paged_attention(q, k_ref, v_ref, meta, k_scale=k_scale, v_scale=v_scale)
-    assert_close("out", out[:5], ref, *TOL[dtype], seed)
-    assert torch.isnan(out[5:]).all(), "padded rows were written"
+    assert_close("out", out[:total], ref, *TOL[dtype], seed)
+    assert torch.isnan(out[total:]).all(), "padded rows were written"
 
 
 @pytest.mark.parametrize("magnitude", [1e-7, 1.0, 1e5], ids=["tiny", "unit", "huge"])

@@ -157,7 +157,6 @@ def test_garbage_metadata_stays_inside(data, num_seqs, num_tokens, max_blocks, m
         if not fuse_merge:
             workspace = workspace[:2]
 
-    write_in_launch = write_in_launch and max_query_len == 1
     if not write_in_launch:
         write_kv(k_new, k_new, k_cache, v_cache, meta)
     paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, workspace=workspace, window=window,

@@ -124,7 +124,10 @@ CASES = [
 ]
 
 
-def run_case(case: Case, dtype: torch.dtype, device: torch.device) -> None:
+def run_case(case: Case, dtype: torch.dtype, device: torch.device, new_kv: bool = False) -> None:
+    """``case`` against the float64 reference; with ``new_kv`` the launch is given the new
+    tokens' K/V to write into the caches (byte for byte as the reference write) and to
+    attend over (decode launches read them back, others from k/v directly)."""
     seed = fresh_seed()
     rng, gen = rngs(seed)
     seqs = list(case.seqs) if case.seqs else random_seqs(rng, int(rng.integers(1, 6)), max_q=40, max_ctx=150,
@@ -142,11 +145,22 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device) -> None:
     q = (case.q_scale * torch.randn(total + 5, hq, case.head_dim, generator=gen)).to(device=device, dtype=dtype)
     out = torch.full_like(q, float("nan"))
     opts = dict(window=case.window, window_rule=case.window_rule, ranges=case.ranges, softcap=case.softcap)
+    k_ref, v_ref = k_cache, v_cache
+    if new_kv:
+        new = tuple(torch.randn(total + 5, hkv, case.head_dim, generator=gen).to(device=device, dtype=dtype)
+                    for _ in range(2))
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        reference.write_kv(*new, k_ref, v_ref, meta.slot_mapping)
+        opts_new = dict(new_kv=new)
+    else:
+        opts_new = {}
 
     paged_attention(q, k_cache, v_cache, out, meta, num_splits=case.splits, config=case.config,
-                    max_query_len=case.max_query_len, **opts)
+                    max_query_len=case.max_query_len, **opts, **opts_new)
 
-    ref = reference.paged_attention(q, k_cache, v_cache, meta, **opts)
+    if new_kv:
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"cache write differs (seed={seed})"
+    ref = reference.paged_attention(q, k_ref, v_ref, meta, **opts)
     assert_close(f"out[{case.id}]", out[:total], ref, *TOL[dtype], seed)
     assert torch.isnan(out[total:]).all(), f"padded rows of out were written (seed={seed})"
 
@@ -155,6 +169,14 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_paged_attention(case, dtype, device):
     run_case(case, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_launch_writes_new_kv(case, dtype, device):
+    """Every case with ``new_kv``: the launch writes the new K/V and attends over them
+    (prefill and mixed launches read the new keys from k/v through tensor descriptors)."""
+    run_case(case, dtype, device, new_kv=True)
 
 
 OFFSET_CASES = ("decode-launch-split", "block-size-24", "large-tiles", "full-tiles-window-clip-split", "random")

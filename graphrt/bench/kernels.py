@@ -88,11 +88,12 @@ def calls_per_graph(kv_bytes: int) -> int:
 
 
 def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50, fp8: bool = False, config=None,
-            splits: int | None = None, calls: int = 1):
+            splits: int | None = None, calls: int = 1, new_kv: bool = False):
     """(ms, splits) of one paged_attention launch over fresh random data; ``config``: a
     ``KernelConfig`` instead of the table's; ``splits``: a split factor instead of
     ``decode_splits``'; ``calls``: launches in the timed graph, each with its own cache and
-    query (ms is per launch)."""
+    query (ms is per launch); ``new_kv``: the launch is given the new tokens' K/V, writes
+    them into the cache and attends over them (a layer's whole attention)."""
     from graphrt.kernels import decode_splits, paged_attention, split_workspace
 
     meta, nblk = make_meta(q_lens, ctx_lens, ranges)
@@ -104,12 +105,13 @@ def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50, fp8: boo
         kc, vc = _caches(nblk, fp8)
         q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=DT)
         ws = split_workspace(q.shape[0], HQ, D, splits, DEV) if splits > 1 else None
-        layers.append((q, kc, vc, torch.empty_like(q), ws))
+        kv = dict(new_kv=tuple(torch.randn(q.shape[0], HKV, D, device=DEV, dtype=DT) for _ in range(2))) if new_kv else {}
+        layers.append((q, kc, vc, torch.empty_like(q), ws, kv))
 
     def run():
-        for q, kc, vc, out, ws in layers:
+        for q, kc, vc, out, ws, kv in layers:
             paged_attention(q, kc, vc, out, meta, num_splits=splits, workspace=ws,
-                            max_query_len=1 if decode else None, config=config, **scales)
+                            max_query_len=1 if decode else None, config=config, **scales, **kv)
 
     return time_ms(run, iters=iters) / calls, splits
 
@@ -168,8 +170,11 @@ def bench_prefill(rows, env, sizes, flex: bool, quiet):
     for n in progress(sizes, "prefill", quiet):
         for name, ranges in (("prefill", []), ("prefill_ranges", [(n // 4, n // 4 + min(256, n // 8)), (n // 2, n // 2 + min(256, n // 8))])):
             flops = 4 * HQ * D * causal_pairs(n, ranges)
-            ms, _ = _attend([n], [0], [ranges], decode=False, iters=20)
-            timings = {"graphrt": ms}
+            # graphrt: the launch given the new K/V (writes them, reads the new keys from them
+            # in bulk copies); graphrt_cache: attention alone over a cache that holds them
+            ms, _ = _attend([n], [0], [ranges], decode=False, iters=20, new_kv=True)
+            ms_cache, _ = _attend([n], [0], [ranges], decode=False, iters=20)
+            timings = {"graphrt": ms, "graphrt_cache": ms_cache}
             if not ranges:
                 qs = torch.randn(1, HQ, n, D, device=DEV, dtype=DT)
                 ks = torch.randn(1, HKV, n, D, device=DEV, dtype=DT)
@@ -191,9 +196,9 @@ def bench_mixed(rows, env, prefills: int, prefill_len: int, decodes: int, ctx: i
     """One launch for the mix against the decode-only and prefill-only launches."""
     q_lens = [prefill_len] * prefills + [1] * decodes
     ctx_lens = [0] * prefills + [ctx - 1] * decodes
-    mixed, _ = _attend(q_lens, ctx_lens, [[]] * len(q_lens), decode=False)
-    dec, _ = _attend([1] * decodes, [ctx - 1] * decodes, [[]] * decodes, decode=True)
-    pre, _ = _attend([prefill_len] * prefills, [0] * prefills, [[]] * prefills, decode=False)
+    mixed, _ = _attend(q_lens, ctx_lens, [[]] * len(q_lens), decode=False, new_kv=True)
+    dec, _ = _attend([1] * decodes, [ctx - 1] * decodes, [[]] * decodes, decode=True, new_kv=True)
+    pre, _ = _attend([prefill_len] * prefills, [0] * prefills, [[]] * prefills, decode=False, new_kv=True)
     common = dict(bench="mixed", prefills=prefills, prefill_len=prefill_len, decodes=decodes, context=ctx)
     rows.append(dict(impl="graphrt", ms=mixed, of_parts=mixed / (dec + pre), **common))
     rows.append(dict(impl="graphrt_decode_only", ms=dec, **common))
@@ -209,7 +214,7 @@ def report(rows: list[dict], env: dict) -> None:
                   f"splits={r['splits']:2d}: {1e3 * r['ms']:9.1f} us {r['tbps']:5.2f} TB/s = {r['of_copy']:.2f} x copy"
                   f"{fp8}")
         elif r["bench"].startswith("prefill"):
-            print(f"{r['bench']:15s} {r['impl']:8s} tokens={r['tokens']:6d}: {r['ms']:8.3f} ms {r['tflops']:6.1f} "
+            print(f"{r['bench']:15s} {r['impl']:13s} tokens={r['tokens']:6d}: {r['ms']:8.3f} ms {r['tflops']:6.1f} "
                   f"TFLOP/s = {r['of_matmul']:.2f} x matmul")
         elif r["bench"] == "mixed":
             extra = f" = {r['of_parts']:.2f} x (decode-only + prefill-only)" if "of_parts" in r else ""
