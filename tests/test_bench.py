@@ -66,4 +66,4 @@ def test_prefill_tma_probe_matches_the_reference(tmp_path):
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "probe_prefill_tma.py")], capture_output=True,
                          text=True, timeout=600, cwd=tmp_path, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert run.stdout.count("max |err|") == 4, run.stdout
+    assert run.stdout.count("max |err|") == 10, run.stdout
