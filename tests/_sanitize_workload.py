@@ -113,6 +113,36 @@ def kernels(small: bool = False) -> int:
     return launches
 
 
+def read_new() -> int:
+    """Prefill launches given the new K/V (read through tensor descriptors), valid and
+    hand-built metadata: a short run for a first look."""
+    rng = np.random.default_rng(2)
+    dev = torch.device("cuda")
+    seqs = [Seq(1, 70, ((3, 40),)), Seq(40, 8, ((2, 30),)), Seq(130, 0, ((10, 60),))]
+    total = sum(s.q_len for s in seqs)
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=40, max_ranges=2, rng=rng, device=dev, num_seqs=4,
+                         num_tokens=total + 5)
+    kc = torch.randn(40, 16, 1, 128, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(total + 5, 4, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(total + 5, 1, 128, device=dev, dtype=torch.bfloat16)
+    for splits in (1, 3):
+        paged_attention(q, kc, kc.clone(), torch.empty_like(q), meta, num_splits=splits, new_kv=(k, k))
+    for trial in range(4):
+        s, t, w = int(rng.integers(1, 5)), int(rng.integers(1, 40)), int(rng.integers(1, 6))
+        wild = lambda *shape: torch.from_numpy(rng.choice(  # noqa: E731
+            [rng.integers(-2 ** 31, 2 ** 31 - 1), rng.integers(-50, 200), -1, 0, 16, 2 ** 31 - 1, -2 ** 31],
+            size=shape).astype(np.int64))
+        meta = AttentionMetadata(
+            query_start_loc=wild(s + 1).int().to(dev), seq_lens=wild(s).int().to(dev),
+            block_table=wild(s, w).int().to(dev), prefix_ranges=wild(s, 1, 2).int().contiguous().to(dev),
+            slot_mapping=torch.from_numpy(rng.integers(-5, 700, size=t)).to(dev))
+        qq = torch.randn(t, 4, 128, device=dev, dtype=torch.bfloat16)
+        kk = torch.randn(t, 1, 128, device=dev, dtype=torch.bfloat16)
+        paged_attention(qq, kc, kc.clone(), torch.empty_like(qq), meta, new_kv=(kk, kk))
+    torch.cuda.synchronize()
+    return 6
+
+
 def runtime() -> int:
     cfg = RuntimeConfig(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=256, max_num_seqs=8,
                         max_num_tokens=128, max_model_len=512, max_prefix_ranges=2, dtype=torch.bfloat16)
@@ -137,5 +167,6 @@ def runtime() -> int:
 
 if __name__ == "__main__":
     what = sys.argv[1]
-    ran = runtime() if what == "runtime" else kernels(small=what == "kernels-small")
+    ran = (runtime() if what == "runtime" else read_new() if what == "read-new"
+           else kernels(small=what == "kernels-small"))
     print(f"graphrt sanitize workload {what}: {ran} {'replayed steps' if what == 'runtime' else 'launches'}")
