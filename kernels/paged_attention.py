@@ -32,11 +32,15 @@ device. The count is not a compile-time constant of the attention kernel, so the
 buckets' split factors (1 to 64) share two variants of it (split or not), which keeps
 capture's compiles down.
 
-KV write in the launch (``new_kv``, decode launches): each program first writes the new
-tokens' K/V that its key tiles hold into the caches (at ``slot_mapping``, as ``write_kv``
-does), then reads them back with its other keys after a barrier of its threads; programs
-whose key tiles overlap write the same bytes to the same slots. A decode layer's attention
-is then one launch (two with a merge launch) instead of a write and an attention.
+KV write in the launch (``new_kv``): in decode launches (and for the decodes of a mixed
+launch, on the short path) each program first writes the new tokens' K/V that its key
+tiles hold into the caches (at ``slot_mapping``, as ``write_kv`` does), then reads them
+back with its other keys after a barrier of its threads; programs whose key tiles overlap
+write the same bytes to the same slots. Other query tiles read a sequence's keys below its
+context length from the cache and its new keys from k/v directly, through tensor
+descriptors (one bulk copy per key tile, in tiles counted from the context length), and
+split 0 of each writes its own tokens' K/V into the caches. A layer's attention is then
+one launch (two with a merge launch) instead of a write and an attention.
 """
 
 from __future__ import annotations
