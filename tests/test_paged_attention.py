@@ -171,7 +171,7 @@ def test_paged_attention(case, dtype, device):
     run_case(case, dtype, device)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_launch_writes_new_kv(case, dtype, device):
     """Every case with ``new_kv``: the launch writes the new K/V and attends over them
@@ -453,3 +453,27 @@ def test_fused_merge_over_many_replays():
         ref = reference.paged_attention(q_in, k_cache, v_cache, meta)
         assert_close(f"out[replay {i}]", out, ref, *TOL[torch.float16], seed)
         assert int(workspace[2].count_nonzero()) == 0, f"a tile counter was left set (seed={seed})"
+
+
+def test_new_kv_without_bulk_copies(device):
+    """K/V whose heads are not adjacent (a slice of wider rows) cannot be read as rows
+    through descriptors: the launch writes them first (``write_kv``) and reads the cache,
+    with the same cache bytes and output."""
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    seqs = [S(1, 40, ((2, 30),)), S(30, 0, ((5, 20),)), S(17, 50)]
+    total = sum(s.q_len for s in seqs)
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=12, max_ranges=1, rng=rng, device=device, num_seqs=4,
+                         num_tokens=total + 2)
+    k_cache, v_cache = (torch.randn(12, 16, 2, 64, generator=gen).to(device) for _ in range(2))
+    wide = torch.randn(2, total + 2, 2, 96, generator=gen).to(device)
+    k_new, v_new = wide[0, :, :, :64], wide[1, :, :, :64]          # stride(1) = 96: heads not adjacent
+    q = torch.randn(total + 2, 8, 64, generator=gen).to(device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k_new, v_new, k_ref, v_ref, meta.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+
+    paged_attention(q, k_cache, v_cache, out, meta, new_kv=(k_new, v_new))
+
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"cache write differs (seed={seed})"
+    assert_close("out", out[:total], reference.paged_attention(q, k_ref, v_ref, meta), *TOL[torch.float32], seed)
