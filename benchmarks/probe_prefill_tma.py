@@ -227,10 +227,12 @@ def _ptr_causal_kernel(q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, num_tokens, 
     full_hi = (first + 1) // BLOCK_N
     for j in range(0, full_hi):
         acc, l_i, m_i = _ptr_key_tile(acc, l_i, m_i, b_q, k_ptr, v_ptr, block_table_ptr, j, o_tok, o_d, i_kvh,
-                                      num_tokens, scale_log2e, HEAD_DIM, BLOCK_N, HKV, PAGE, IEEE, False, k_desc, v_desc, TMA)
+                                      num_tokens, scale_log2e, HEAD_DIM, BLOCK_N, HKV, PAGE, IEEE, False,
+                                      k_desc, v_desc, TMA)
     for j in range(full_hi, tl.cdiv(last + 1, BLOCK_N)):
         acc, l_i, m_i = _ptr_key_tile(acc, l_i, m_i, b_q, k_ptr, v_ptr, block_table_ptr, j, o_tok, o_d, i_kvh,
-                                      num_tokens, scale_log2e, HEAD_DIM, BLOCK_N, HKV, PAGE, IEEE, True, k_desc, v_desc, TMA)
+                                      num_tokens, scale_log2e, HEAD_DIM, BLOCK_N, HKV, PAGE, IEEE, True,
+                                      k_desc, v_desc, TMA)
     p_o = o_ptr + (o_tok.to(tl.int64) * HQ + o_h)[:, None] * HEAD_DIM + o_d[None, :]
     tl.store(p_o, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=m_q[:, None])
 

@@ -107,8 +107,8 @@ def main() -> None:
                 signature[n], const[n] = "constexpr", 1
             else:
                 signature[n] = "i32"
-            if signature[n].startswith("*") and n not in ("k_desc", "v_desc") or (n in ints and n not in fixed and ints[n] % 16 == 0
-                                                and signature[n] != "constexpr"):
+            pointer = signature[n].startswith("*") and n not in ("k_desc", "v_desc")
+            if pointer or (n in ints and n not in fixed and ints[n] % 16 == 0 and signature[n] != "constexpr"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         constexprs = {(names.index(k),): v for k, v in const.items() if k in names}
         kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),

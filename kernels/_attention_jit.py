@@ -14,52 +14,6 @@ RULE_RANGES_UNCLIPPED: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
-def _load_cache_tile(k_pos, seq_len, p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
-                     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, o_d, m_d,
-                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, KV_OFF32: tl.constexpr, MASKED: tl.constexpr):
-    """K [HEAD_DIM_PAD, BLOCK_N] and V [BLOCK_N, HEAD_DIM_PAD] of the keys at k_pos from
-    the paged caches, and which of them lie before seq_len (used where MASKED)."""
-    m_k = k_pos < seq_len
-    if MASKED:
-        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0)
-    else:
-        i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk)
-    # A block id outside the cache (hand-built metadata) reads the last block instead of
-    # past the cache: garbage in, but never an out-of-bounds access. One unsigned 32-bit
-    # min does it (a negative id is a huge unsigned one), before any widening.
-    # (tl.cast, not .to: an int argument equal to 1 reaches the kernel as a Python int,
-    # since Triton specialises it into a constant.)
-    i_blk = tl.minimum(i_blk.to(tl.uint32, bitcast=True), tl.cast(last_blk, tl.uint32))
-    # Offsets into the caches in 32 bits where every element's offset fits (KV_OFF32, the
-    # launch checks the caches' sizes and strides), else 64; the token offsets in a key tile
-    # repeat every block, so that they do not depend on the tile when it holds whole
-    # blocks. Together a third fewer instructions per key tile (sm_90, Triton 3.6: 410
-    # against 593 per warp for a 128-key decode tile).
-    if KV_OFF32:
-        i_blk = i_blk.to(tl.int32, bitcast=True)       # <= last_blk < 2**31
-    else:
-        i_blk = i_blk.to(tl.int64)
-    if BLOCK_N % KV_BLOCK_SIZE == 0:
-        i_off = tl.arange(0, BLOCK_N) % KV_BLOCK_SIZE      # key tiles start at multiples of BLOCK_N
-    else:
-        i_off = k_pos % KV_BLOCK_SIZE
-    # K as [HEAD_DIM_PAD, BLOCK_N], V as [BLOCK_N, HEAD_DIM_PAD]
-    p_k = k_head_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok)[None, :] + o_d[:, None]
-    p_v = v_head_ptr + (i_blk * stride_v_blk + i_off * stride_v_tok)[:, None] + o_d[None, :]
-    if MASKED:
-        b_k = tl.load(p_k, mask=m_k[None, :] & m_d[:, None], other=0.0)
-        b_v = tl.load(p_v, mask=m_k[:, None] & m_d[None, :], other=0.0)
-    elif HEAD_DIM == HEAD_DIM_PAD:
-        b_k = tl.load(p_k)
-        b_v = tl.load(p_v)
-    else:
-        b_k = tl.load(p_k, mask=m_d[:, None], other=0.0)
-        b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
-    return b_k, b_v, m_k
-
-
-@triton.jit
 def _attend_key_tile(
     acc, l_i, m_i, kt,
     b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
@@ -67,7 +21,8 @@ def _attend_key_tile(
     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
     o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
     KV_OFF32: tl.constexpr, MASKED: tl.constexpr, NEW: tl.constexpr, KV_FP8: tl.constexpr, ROUND_E4M3: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) with key tile kt. MASKED=False is for tiles
@@ -87,9 +42,42 @@ def _attend_key_tile(
             b_v = _to_e4m3_values(b_v, v_sc, ROUND_E4M3).to(tl.float8e4nv)
     else:
         k_pos = kt * BLOCK_N + tl.arange(0, BLOCK_N)          # [BLOCK_N]
-        b_k, b_v, m_k = _load_cache_tile(k_pos, seq_len, p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
-                                         stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, o_d, m_d,
-                                         HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, KV_OFF32, MASKED)
+        if MASKED:
+            m_k = k_pos < seq_len
+            i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk, mask=m_k, other=0)
+        else:
+            i_blk = tl.load(p_bt + (k_pos // KV_BLOCK_SIZE) * stride_bt_blk)
+        # A block id outside the cache (hand-built metadata) reads the last block instead of
+        # past the cache: garbage in, but never an out-of-bounds access. One unsigned 32-bit
+        # min does it (a negative id is a huge unsigned one), before any widening.
+        # (tl.cast, not .to: an int argument equal to 1 reaches the kernel as a Python int,
+        # since Triton specialises it into a constant.)
+        i_blk = tl.minimum(i_blk.to(tl.uint32, bitcast=True), tl.cast(last_blk, tl.uint32))
+        # Offsets into the caches in 32 bits where every element's offset fits (KV_OFF32, the
+        # launch checks the caches' sizes and strides), else 64; the token offsets in a key tile
+        # repeat every block, so that they do not depend on the tile when it holds whole
+        # blocks. Together a third fewer instructions per key tile (sm_90, Triton 3.6: 410
+        # against 593 per warp for a 128-key decode tile).
+        if KV_OFF32:
+            i_blk = i_blk.to(tl.int32, bitcast=True)       # <= last_blk < 2**31
+        else:
+            i_blk = i_blk.to(tl.int64)
+        if BLOCK_N % KV_BLOCK_SIZE == 0:
+            i_off = tl.arange(0, BLOCK_N) % KV_BLOCK_SIZE      # key tiles start at multiples of BLOCK_N
+        else:
+            i_off = k_pos % KV_BLOCK_SIZE
+        # K as [HEAD_DIM_PAD, BLOCK_N], V as [BLOCK_N, HEAD_DIM_PAD]
+        p_k = k_head_ptr + (i_blk * stride_k_blk + i_off * stride_k_tok)[None, :] + o_d[:, None]
+        p_v = v_head_ptr + (i_blk * stride_v_blk + i_off * stride_v_tok)[:, None] + o_d[None, :]
+        if MASKED:
+            b_k = tl.load(p_k, mask=m_k[None, :] & m_d[:, None], other=0.0)
+            b_v = tl.load(p_v, mask=m_k[:, None] & m_d[None, :], other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            b_k = tl.load(p_k)
+            b_v = tl.load(p_v)
+        else:
+            b_k = tl.load(p_k, mask=m_d[:, None], other=0.0)
+            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
 
     b_k = b_k.to(b_q.dtype)       # fp8 caches: e4m3 codes to q's dtype (their scale is folded in elsewhere)
     b_v = b_v.to(b_q.dtype)
@@ -155,7 +143,8 @@ def _attend_span(
     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
     o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
     KV_OFF32: tl.constexpr, MASKED: tl.constexpr, NEW: tl.constexpr, KV_FP8: tl.constexpr, ROUND_E4M3: tl.constexpr,
 ):
     """(acc, l_i, m_i) over a_count key tiles from a_start, then b_count from b_start. The
@@ -166,17 +155,21 @@ def _attend_span(
             kt = tl.where(j < a_count, a_start + j, b_start + (j - a_count))
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-                p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
+                stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
                 o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
-                HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, True,
+                HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
+                KV_OFF32, True,
                 NEW, KV_FP8, ROUND_E4M3)
     else:
         for kt in range(a_start, a_start + a_count):
             acc, l_i, m_i = _attend_key_tile(
                 acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-                p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
+                stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
                 o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
-                HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, False,
+                HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
+                KV_OFF32, False,
                 NEW, KV_FP8, ROUND_E4M3)
     return acc, l_i, m_i
 
@@ -441,7 +434,8 @@ def _attend_tile(
         b_q, q_pos, r_start, r_end, c_end, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
         o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
-        HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, True,
+        HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
+        KV_OFF32, True,
         False, KV_FP8, ROUND_E4M3)
     full_start = tl.maximum(ft_lo, st_lo)
     acc, l_i, m_i = _attend_span(
@@ -449,7 +443,8 @@ def _attend_tile(
         b_q, q_pos, r_start, r_end, c_end, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
         o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
-        HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, False,
+        HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
+        KV_OFF32, False,
         False, KV_FP8, ROUND_E4M3)
     if READ_NEW:     # the same three runs over the new keys' tiles [ns_lo, ns_hi)
         lo_end = tl.minimum(nf_lo, ns_hi)
@@ -457,17 +452,21 @@ def _attend_tile(
         acc, l_i, m_i = _attend_span(
             acc, l_i, m_i, ns_lo, tl.maximum(lo_end - ns_lo, 0), hi_start, tl.maximum(ns_hi - hi_start, 0),
             b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-            p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+            p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
+            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
             o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
-            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, True,
+            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
+            KV_OFF32, True,
             True, KV_FP8, ROUND_E4M3)
         full_start = tl.maximum(nf_lo, ns_lo)
         acc, l_i, m_i = _attend_span(
             acc, l_i, m_i, full_start, tl.maximum(tl.minimum(nf_hi, ns_hi) - full_start, 0), 0, 0,
             b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-            p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+            p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
+            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
             o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
-            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT, KV_OFF32, False,
+            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
+            KV_OFF32, False,
             True, KV_FP8, ROUND_E4M3)
         # No program of this launch reads the new keys from the caches: split 0 of each
         # query tile writes its own tokens' K/V there, for the steps after this one.

@@ -105,7 +105,9 @@ def _attend(q_lens, ctx_lens, ranges, *, decode: bool, iters: int = 50, fp8: boo
         kc, vc = _caches(nblk, fp8)
         q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=DT)
         ws = split_workspace(q.shape[0], HQ, D, splits, DEV) if splits > 1 else None
-        kv = dict(new_kv=tuple(torch.randn(q.shape[0], HKV, D, device=DEV, dtype=DT) for _ in range(2))) if new_kv else {}
+        kv = {}
+        if new_kv:
+            kv["new_kv"] = tuple(torch.randn(q.shape[0], HKV, D, device=DEV, dtype=DT) for _ in range(2))
         layers.append((q, kc, vc, torch.empty_like(q), ws, kv))
 
     def run():
