@@ -342,6 +342,10 @@ def _attend_tile(
         ft_lo = tl.minimum(ft_lo, kt_hi)
         nt_lo = tl.maximum(k_lo - ctx_len, 0) // BLOCK_N
         nt_hi = tl.maximum(tl.cdiv(k_hi - ctx_len, BLOCK_N), nt_lo)
+        # At most the tiles of seq_len keys (the table's length at most), as the cache's
+        # run is: metadata holding arbitrary values can wrap k_lo - ctx_len past int32 and
+        # leave ~2**31 / BLOCK_N tiles between these bounds.
+        nt_hi = tl.minimum(nt_hi, nt_lo + tl.cdiv(seq_len, BLOCK_N) + 1)
         nf_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(full_lo - ctx_len, 0), BLOCK_N), nt_lo), nt_hi)
         nf_hi = tl.minimum(tl.maximum((i_qblk * BLOCK_Q + 1) // BLOCK_N, nf_lo), nt_hi)
         ns_lo = nt_lo

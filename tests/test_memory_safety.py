@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from _cases import TOL, Seq, assert_close, build_meta, fresh_seed, rngs
 from graphrt import Runtime, RuntimeConfig, SeqStep, Step
-from graphrt.kernels import AttentionMetadata, default_config, paged_attention, reference, write_kv
+from graphrt.kernels import AttentionMetadata, KernelConfig, default_config, paged_attention, reference, write_kv
 
 GUARD = 3          # rows (or cache blocks) of guard band on each side
 SENTINEL = 7.25    # what the bands hold
@@ -200,6 +200,33 @@ def test_wrapped_tile_arithmetic_reads_inside_the_block_table(device):
     out = torch.zeros_like(q)
     paged_attention(q, k_cache, k_cache.clone(), out, meta)
     assert not bool(out.isnan().any()), "a block id from past the block table was read (poison block)"
+
+
+def test_wrapped_window_bound_leaves_few_new_key_tiles(device):
+    """A prefill launch reading the new keys from k/v, on metadata where the window's lower
+    bound wraps int32 (a query length near 2**31 puts the first query position near
+    -2**31): the new keys' tile range once spanned ~2**31 / BLOCK_N tiles (a launch that
+    does not return). It must return, write only inside its tensors, and write the cache
+    at the drawn slots only."""
+    big = 2 ** 31
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, big - 100], dtype=torch.int64).to(torch.int32).to(device),
+        seq_lens=torch.tensor([5], dtype=torch.int32, device=device),
+        block_table=torch.tensor([[1]], dtype=torch.int32, device=device),
+        prefix_ranges=torch.zeros(1, 0, 2, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor([3, -1, 700, 20], dtype=torch.int64, device=device))
+    k_whole, k_cache = banded((4, 16, 1, 16), torch.float32, device)
+    v_whole, v_cache = banded((4, 16, 1, 16), torch.float32, device)
+    out_whole, out = banded((4, 2, 16), torch.float32, device)
+    q = torch.randn(4, 2, 16).to(device)
+    k_new = torch.randn(4, 1, 16).to(device)
+    for window in (2 ** 40, 2 ** 30 - 7):
+        paged_attention(q, k_cache, v_cache, out, meta, window=window, new_kv=(k_new, k_new),
+                        config=KernelConfig(block_q=8, block_n=16))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    for name, whole in (("k_cache", k_whole), ("v_cache", v_whole), ("out", out_whole)):
+        assert_bands(name, whole)
 
 
 # ---------------------------------------------------------------- runtime entry points
