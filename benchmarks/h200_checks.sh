@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of a commit, in one go, for a machine with a CUDA device:
 #   bash benchmarks/h200_checks.sh OUT PART...
-# PART: tests | sanitizer | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
+# PART: tests | sanitizer | sanitizer-each | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
 #       probe-ops | bench-host | bench-capture | bench-runtime | bench-step |
 #       bench-kernels | sweep-fp8 | sweep-prefill | probe-prefill-tma | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime, ab-kernels (ROUNDS, default 1) and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options); JOBS: pytest workers for tests (default 10). Each part runs under its own
@@ -30,6 +30,13 @@ for part in "$@"; do
   case $part in
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -n "${JOBS:-10}" tests --ignore=tests/test_sanitizer.py ;;
     sanitizer) timeout "$limit" python3 -m pytest -q -rP -p no:cacheprovider -n 3 tests/test_sanitizer.py ;;
+    sanitizer-each) s=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)   # one at a time,
+                # each report kept: the descriptor path alone first, then the test file's three runs
+                PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$limit" "$s" --tool memcheck python3 tests/_sanitize_workload.py read-new
+                timeout "$limit" "$s" --tool racecheck python3 tests/_sanitize_workload.py read-new
+                for k in memcheck-kernels memcheck-runtime racecheck-kernels-small; do
+                  timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider \
+                    "tests/test_sanitizer.py::test_sanitizer_reports_no_errors[$k]"; done ;;
     ab-runtime) for t in . "$base"; do (cd "$t" && python3 setup.py -q build_ext --inplace); done   # both with the C helper
                 timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which runtime \
                   --rounds 2 --harness a --out /tmp/ab_runtime && cp /tmp/ab_runtime/ab_runtime.json "$out/" ;;
