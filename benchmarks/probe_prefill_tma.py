@@ -53,6 +53,21 @@ SIZES = [4096, 16384]
 
 
 @triton.jit
+def _online_update(acc, l_i, m_i, b_s, b_v, IEEE: tl.constexpr):
+    """The online softmax's step for one key tile of logits b_s (log2 scale, masked keys
+    -inf; every row sees its own key, so the running maximum is finite)."""
+    m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+    b_p = tl.exp2(b_s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(b_p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _key_tile(acc, l_i, m_i, b_q, k_desc, v_desc, n0, i_kvh, o_m, scale_log2e, block_table_ptr,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
               PAGED: tl.constexpr):
@@ -70,15 +85,7 @@ def _key_tile(acc, l_i, m_i, b_q, k_desc, v_desc, n0, i_kvh, o_m, scale_log2e, b
     b_s = b_s * scale_log2e
     if MASKED:                                               # causal: key <= query
         b_s = tl.where((n0 + tl.arange(0, BLOCK_N))[None, :] <= o_m[:, None], b_s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(b_s, axis=1))            # finite: a row sees its own key
-    b_p = tl.exp2(b_s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(b_p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-    return acc, l_i, m_new
+    return _online_update(acc, l_i, m_i, b_s, b_v, IEEE)
 
 
 @triton.jit
@@ -183,15 +190,7 @@ def _ptr_key_tile(acc, l_i, m_i, b_q, k_ptr, v_ptr, block_table_ptr, j, o_tok, o
     b_s = b_s * scale_log2e
     if MASKED:
         b_s = tl.where(k_pos[None, :] <= o_tok[:, None], b_s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
-    b_p = tl.exp2(b_s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(b_p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-    return acc, l_i, m_new
+    return _online_update(acc, l_i, m_i, b_s, b_v, IEEE)
 
 
 @triton.jit

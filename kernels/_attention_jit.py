@@ -137,7 +137,7 @@ def _attend_key_tile(
 
 @triton.jit
 def _attend_span(
-    acc, l_i, m_i, a_start, a_count, b_start, b_count,
+    acc, l_i, m_i, s_lo, s_hi, f_lo, f_hi,
     b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
     p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
     stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
@@ -145,32 +145,35 @@ def _attend_span(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    KV_OFF32: tl.constexpr, MASKED: tl.constexpr, NEW: tl.constexpr, KV_FP8: tl.constexpr, ROUND_E4M3: tl.constexpr,
+    KV_OFF32: tl.constexpr, NEW: tl.constexpr, KV_FP8: tl.constexpr, ROUND_E4M3: tl.constexpr,
 ):
-    """(acc, l_i, m_i) over a_count key tiles from a_start, then b_count from b_start. The
-    masked tiles' two runs share one loop (one copy of the code to compile); the full
-    tiles (b_count 0) keep a plain counted loop, which the software pipeliner handles best."""
-    if MASKED:
-        for j in range(0, a_count + b_count):
-            kt = tl.where(j < a_count, a_start + j, b_start + (j - a_count))
-            acc, l_i, m_i = _attend_key_tile(
-                acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-                p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
-                stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
-                HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
-                KV_OFF32, True,
-                NEW, KV_FP8, ROUND_E4M3)
-    else:
-        for kt in range(a_start, a_start + a_count):
-            acc, l_i, m_i = _attend_key_tile(
-                acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-                p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
-                stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
-                HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
-                KV_OFF32, False,
-                NEW, KV_FP8, ROUND_E4M3)
+    """(acc, l_i, m_i) over key tiles [s_lo, s_hi) (of the cache, or with NEW of the new
+    keys), of which [f_lo, f_hi) every row sees in full: three runs, masked, full, masked.
+    The two masked runs share one loop (one copy of the code to compile); the full tiles
+    keep a plain counted loop, which the software pipeliner handles best."""
+    lo_end = tl.minimum(f_lo, s_hi)
+    hi_start = tl.maximum(f_hi, s_lo)
+    a_count = tl.maximum(lo_end - s_lo, 0)
+    for j in range(0, a_count + tl.maximum(s_hi - hi_start, 0)):
+        kt = tl.where(j < a_count, s_lo + j, hi_start + (j - a_count))
+        acc, l_i, m_i = _attend_key_tile(
+            acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+            p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
+            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+            o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
+            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
+            KV_OFF32, True,
+            NEW, KV_FP8, ROUND_E4M3)
+    full_start = tl.maximum(f_lo, s_lo)
+    for kt in range(full_start, full_start + tl.maximum(tl.minimum(f_hi, s_hi) - full_start, 0)):
+        acc, l_i, m_i = _attend_key_tile(
+            acc, l_i, m_i, kt, b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
+            p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
+            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+            o_d, m_d, k_desc, v_desc, new_row0, new_col, new_pos0, k_sc, v_sc,
+            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
+            KV_OFF32, False,
+            NEW, KV_FP8, ROUND_E4M3)
     return acc, l_i, m_i
 
 
@@ -429,49 +432,23 @@ def _attend_tile(
         k_sc = tl.load(k_scale_ptr + i_kvh)
         v_sc = tl.load(v_scale_ptr + i_kvh)
     new_col = i_kvh * HEAD_DIM
-    # This split's share [st_lo, st_hi) of three runs: masked, full, masked (the two
-    # masked runs go through one loop).
-    lo_end = tl.minimum(ft_lo, st_hi)
-    hi_start = tl.maximum(ft_hi, st_lo)
+    # This split's share of the cache's tiles [st_lo, st_hi), then of the new keys' tiles
     acc, l_i, m_i = _attend_span(
-        acc, l_i, m_i, st_lo, tl.maximum(lo_end - st_lo, 0), hi_start, tl.maximum(st_hi - hi_start, 0),
+        acc, l_i, m_i, st_lo, st_hi, ft_lo, ft_hi,
         b_q, q_pos, r_start, r_end, c_end, window, scale_log2e, softcap,
         p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
         o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
         HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
-        KV_OFF32, True,
-        False, KV_FP8, ROUND_E4M3)
-    full_start = tl.maximum(ft_lo, st_lo)
-    acc, l_i, m_i = _attend_span(
-        acc, l_i, m_i, full_start, tl.maximum(tl.minimum(ft_hi, st_hi) - full_start, 0), 0, 0,
-        b_q, q_pos, r_start, r_end, c_end, window, scale_log2e, softcap,
-        p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-        o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
-        HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
-        KV_OFF32, False,
-        False, KV_FP8, ROUND_E4M3)
-    if READ_NEW:     # the same three runs over the new keys' tiles [ns_lo, ns_hi)
-        lo_end = tl.minimum(nf_lo, ns_hi)
-        hi_start = tl.maximum(nf_hi, ns_lo)
+        KV_OFF32, False, KV_FP8, ROUND_E4M3)
+    if READ_NEW:
         acc, l_i, m_i = _attend_span(
-            acc, l_i, m_i, ns_lo, tl.maximum(lo_end - ns_lo, 0), hi_start, tl.maximum(ns_hi - hi_start, 0),
+            acc, l_i, m_i, ns_lo, ns_hi, nf_lo, nf_hi,
             b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
             p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
             o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
-            KV_OFF32, True,
-            True, KV_FP8, ROUND_E4M3)
-        full_start = tl.maximum(nf_lo, ns_lo)
-        acc, l_i, m_i = _attend_span(
-            acc, l_i, m_i, full_start, tl.maximum(tl.minimum(nf_hi, ns_hi) - full_start, 0), 0, 0,
-            b_q, q_pos, r_start, r_end, seq_len, window, scale_log2e, softcap,
-            p_bt, stride_bt_blk, last_blk, k_head_ptr, v_head_ptr,
-            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-            o_d, m_d, k_desc, v_desc, q_start, new_col, ctx_len, k_sc, v_sc,
-            HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, BLOCK_N, USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, IEEE_DOT,
-            KV_OFF32, False,
-            True, KV_FP8, ROUND_E4M3)
+            KV_OFF32, True, KV_FP8, ROUND_E4M3)
         # No program of this launch reads the new keys from the caches: split 0 of each
         # query tile writes its own tokens' K/V there, for the steps after this one.
         if i_split == 0:
