@@ -37,6 +37,14 @@ def _attend_key_tile(
         m_k = k_pos < seq_len
         b_k = k_desc.load([new_row0 + kt * BLOCK_N, new_col]).T   # [HEAD_DIM_PAD, BLOCK_N]
         b_v = v_desc.load([new_row0 + kt * BLOCK_N, new_col])
+        # What the copies bring in besides this head's keys must reach no output, whatever
+        # it holds (inf, NaN: p = 0 and q's padded columns = 0 do not cancel those): rows
+        # past seq_len (other sequences' tokens, rows of no token) in the masked tiles, and
+        # a padded head dim's columns (the next head's).
+        if MASKED:
+            b_v = tl.where(m_k[:, None], b_v, 0.0)
+        if HEAD_DIM != HEAD_DIM_PAD:
+            b_k = tl.where(m_d[:, None], b_k, 0.0)
         if KV_FP8:
             b_k = _to_e4m3_values(b_k, k_sc, ROUND_E4M3).to(tl.float8e4nv)
             b_v = _to_e4m3_values(b_v, v_sc, ROUND_E4M3).to(tl.float8e4nv)

@@ -89,7 +89,7 @@ def test_fp8_launch_writes_new_kv(dt, splits, launch, device):
     if launch == "decode":
         seqs = [Seq(1, 40, ((2, 30),)), Seq(1, 0), Seq(1, 200), Seq(1, 15), Seq(1, 63)]
     else:
-        seqs = [Seq(1, 40, ((2, 30),)), Seq(30, 0, ((5, 20),)), Seq(17, 150), Seq(1, 15), Seq(3, 60)]
+        seqs = [Seq(1, 40, ((2, 30),)), Seq(17, 150), Seq(1, 15), Seq(3, 60), Seq(30, 0, ((5, 20),))]
     total = sum(s.q_len for s in seqs)
     meta, _ = build_meta(seqs, block_size=16, num_blocks=30, max_ranges=1, rng=rng, device=device, num_seqs=6,
                          num_tokens=total + 2)
@@ -99,6 +99,7 @@ def test_fp8_launch_writes_new_kv(dt, splits, launch, device):
                         .view(30, 16, 2, 64) for _ in range(2))
     k_new, v_new = ((torch.randn(total + 2, 2, 64, generator=gen) * spread).to(device, dtype) for _ in range(2))
     k_scale, v_scale = per_head_scales(k_new[None]), per_head_scales(v_new[None])
+    k_new[total:] = v_new[total:] = float("nan")        # rows of no token: must reach no output
     q = torch.randn(total + 2, 8, 64, generator=gen).to(device, dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     reference.write_kv(k_new, v_new, k_ref, v_ref, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)

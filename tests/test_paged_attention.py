@@ -149,6 +149,8 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, new_kv: bool 
     if new_kv:
         new = tuple(torch.randn(total + 5, hkv, case.head_dim, generator=gen).to(device=device, dtype=dtype)
                     for _ in range(2))
+        for t in new:        # rows of no token (as torch.empty leaves them): must reach no output
+            t[total:] = float("nan")
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         reference.write_kv(*new, k_ref, v_ref, meta.slot_mapping)
         opts_new = dict(new_kv=new)
@@ -177,6 +179,33 @@ def test_launch_writes_new_kv(case, dtype, device):
     """Every case with ``new_kv``: the launch writes the new K/V and attends over them
     (prefill and mixed launches read the new keys from k/v through tensor descriptors)."""
     run_case(case, dtype, device, new_kv=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_new_kv_heads_stay_apart(dtype, splits, device):
+    """A head dim below a power of two (80, loaded as 128 columns): K/V read from k/v in bulk
+    copies span into the next head's columns; whatever those hold (inf here) must not
+    reach this head's output."""
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    seqs = [S(1, 37), S(23, 0, ((3, 12),)), S(40, 9)]
+    total = sum(s.q_len for s in seqs)
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=12, max_ranges=1, rng=rng, device=device, num_seqs=4,
+                         num_tokens=total + 3)
+    k_cache, v_cache = (torch.randn(12, 16, 2, 80, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    k_new, v_new = (torch.randn(total + 3, 2, 80, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    k_new[:, 1] = float("inf")
+    v_new[:, 1] = float("inf")
+    q = torch.randn(total + 3, 4, 80, generator=gen).to(device=device, dtype=dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k_new, v_new, k_ref, v_ref, meta.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k_cache, v_cache, out, meta, num_splits=splits, new_kv=(k_new, v_new))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"cache write differs (seed={seed})"
+    ref = reference.paged_attention(q, k_ref, v_ref, meta)
+    # query heads 0 and 1 read KV head 0, whose bulk copies take 48 columns of head 1
+    assert_close("out[KV head 0]", out[:total, :2], ref[:, :2], *TOL[dtype], seed)
 
 
 OFFSET_CASES = ("decode-launch-split", "block-size-24", "large-tiles", "full-tiles-window-clip-split", "random")
