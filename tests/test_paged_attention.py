@@ -124,6 +124,11 @@ CASES = [
 ]
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equal (NaN too, which torch.equal counts as unequal)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
 def run_case(case: Case, dtype: torch.dtype, device: torch.device, new_kv: bool = False) -> None:
     """``case`` against the float64 reference; with ``new_kv`` the launch is given the new
     tokens' K/V to write into the caches (byte for byte as the reference write) and to
@@ -134,14 +139,22 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, new_kv: bool 
                                                          max_ranges=case.max_ranges)
     total = sum(s.q_len for s in seqs)
     num_blocks = sum(-(-s.seq_len // case.block_size) for s in seqs) + 8
-    meta, _ = build_meta(seqs, block_size=case.block_size, num_blocks=num_blocks, max_ranges=case.max_ranges,
-                         rng=rng, device=device, num_seqs=len(seqs) + 2, num_tokens=total + 5)
+    meta, blocks_of = build_meta(seqs, block_size=case.block_size, num_blocks=num_blocks,
+                                 max_ranges=case.max_ranges, rng=rng, device=device, num_seqs=len(seqs) + 2,
+                                 num_tokens=total + 5)
     if case.column_major:
         meta = dataclasses.replace(meta, block_table=meta.block_table.t().contiguous().t())
     hq, hkv = case.heads
     cache_shape = (num_blocks, case.block_size, hkv, case.head_dim)
     k_cache = torch.randn(cache_shape, generator=gen).to(device=device, dtype=dtype)
     v_cache = torch.randn(cache_shape, generator=gen).to(device=device, dtype=dtype)
+    # slots no sequence holds (as a cache from torch.empty has them): must reach no output
+    bs = case.block_size
+    held = [blocks[p // bs] * bs + p % bs for sq, blocks in zip(seqs, blocks_of) for p in range(sq.seq_len)]
+    unused = torch.ones(num_blocks * bs, dtype=torch.bool)
+    unused[held] = False
+    for c in (k_cache, v_cache):
+        c.view(-1, hkv, case.head_dim)[unused.to(device)] = float("nan")
     q = (case.q_scale * torch.randn(total + 5, hq, case.head_dim, generator=gen)).to(device=device, dtype=dtype)
     out = torch.full_like(q, float("nan"))
     opts = dict(window=case.window, window_rule=case.window_rule, ranges=case.ranges, softcap=case.softcap)
@@ -161,7 +174,7 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, new_kv: bool 
                     max_query_len=case.max_query_len, **opts, **opts_new)
 
     if new_kv:
-        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"cache write differs (seed={seed})"
+        assert same_bytes(k_cache, k_ref) and same_bytes(v_cache, v_ref), f"cache write differs (seed={seed})"
     ref = reference.paged_attention(q, k_ref, v_ref, meta, **opts)
     assert_close(f"out[{case.id}]", out[:total], ref, *TOL[dtype], seed)
     assert torch.isnan(out[total:]).all(), f"padded rows of out were written (seed={seed})"
