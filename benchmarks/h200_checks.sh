@@ -36,7 +36,9 @@ for part in "$@"; do
                 timeout "$limit" "$s" --tool racecheck python3 tests/_sanitize_workload.py read-new
                 for k in memcheck-kernels memcheck-runtime racecheck-kernels-small; do
                   timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider \
-                    "tests/test_sanitizer.py::test_sanitizer_reports_no_errors[$k]"; done ;;
+                    "tests/test_sanitizer.py::test_sanitizer_reports_no_errors[$k]"; done
+                # the runtime once more without the precompile workers (child processes)
+                GRAPHRT_PRECOMPILE=0 timeout "$limit" "$s" --tool memcheck python3 tests/_sanitize_workload.py runtime ;;
     ab-runtime) for t in . "$base"; do (cd "$t" && python3 setup.py -q build_ext --inplace); done   # both with the C helper
                 timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which runtime \
                   --rounds 2 --harness a --out /tmp/ab_runtime && cp /tmp/ab_runtime/ab_runtime.json "$out/" ;;
@@ -53,7 +55,8 @@ for part in "$@"; do
     bench-step) timeout "$limit" python3 -m graphrt bench step --out "$out" ;;
     tests-precompile) timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_precompile.py ;;
     bench-kernels) timeout "$limit" python3 -m graphrt bench kernels --out "$out" ;;
-    sweep-fp8) timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" ;;
+    sweep-fp8) timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" \
+                 && timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" --new-kv ;;
     sweep-prefill) timeout "$limit" python3 benchmarks/sweep_prefill.py --out "$out" ;;
     probe-prefill-tma) timeout "$limit" python3 benchmarks/probe_prefill_tma.py --out "$out" ;;
     sweep-splits) timeout "$limit" python3 benchmarks/sweep_splits.py --out "$out" ;;
