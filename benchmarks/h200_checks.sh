@@ -4,7 +4,7 @@
 # PART: tests | sanitizer | sanitizer-each | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
 #       probe-ops | bench-host | bench-capture | bench-runtime | bench-step |
 #       bench-kernels | sweep-fp8 | sweep-prefill | probe-prefill-tma | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime, ab-kernels (ROUNDS, default 1) and probe-step compare with the tree in $BASE
-#       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options); JOBS: pytest workers for tests (default 10). Each part runs under its own
+#       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options; SWEEP_ARGS: sweep_prefill.py options, e.g. "--new-kv --sizes 4096 16384"); JOBS: pytest workers for tests (default 10). Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
 #       failing part does not stop the others. GRAPHRT_COMMIT labels the JSONs.
 set -u
@@ -57,7 +57,7 @@ for part in "$@"; do
     bench-kernels) timeout "$limit" python3 -m graphrt bench kernels --out "$out" ;;
     sweep-fp8) timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" \
                  && timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" --new-kv ;;
-    sweep-prefill) timeout "$limit" python3 benchmarks/sweep_prefill.py --out "$out" ;;
+    sweep-prefill) timeout "$limit" python3 benchmarks/sweep_prefill.py --out "$out" ${SWEEP_ARGS:-} ;;
     probe-prefill-tma) timeout "$limit" python3 benchmarks/probe_prefill_tma.py --out "$out" ;;
     sweep-splits) timeout "$limit" python3 benchmarks/sweep_splits.py --out "$out" ;;
     sweep-decode) timeout "$limit" python3 benchmarks/sweep_decode.py --out "$out" ;;
