@@ -156,6 +156,7 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, new_kv: bool 
     for c in (k_cache, v_cache):
         c.view(-1, hkv, case.head_dim)[unused.to(device)] = float("nan")
     q = (case.q_scale * torch.randn(total + 5, hq, case.head_dim, generator=gen)).to(device=device, dtype=dtype)
+    q[total:] = float("nan")         # rows of no token
     out = torch.full_like(q, float("nan"))
     opts = dict(window=case.window, window_rule=case.window_rule, ranges=case.ranges, softcap=case.softcap)
     k_ref, v_ref = k_cache, v_cache
