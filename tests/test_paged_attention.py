@@ -520,3 +520,36 @@ def test_new_kv_without_bulk_copies(device):
 
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"cache write differs (seed={seed})"
     assert_close("out", out[:total], reference.paged_attention(q, k_ref, v_ref, meta), *TOL[torch.float32], seed)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_new_kv_from_fused_qkv_rows(head_dim, device, monkeypatch):
+    """q, k and v as views of one fused projection's rows ([T, (Hq + 2 Hkv) * D]): k and v
+    have adjacent heads in rows wider than theirs, which the bulk copies read as they are
+    (no write first); same cache bytes and output as the reference."""
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the launch fell back to write_kv first")
+
+    monkeypatch.setattr(importlib.import_module("graphrt.kernels.paged_attention"), "write_kv", no_fallback)
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    seqs = [S(1, 40, ((2, 30),)), S(30, 0, ((5, 20),)), S(17, 50)]
+    total = sum(s.q_len for s in seqs)
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=12, max_ranges=1, rng=rng, device=device, num_seqs=4,
+                         num_tokens=total + 2)
+    hq, hkv, d = 4, 2, head_dim
+    k_cache, v_cache = (torch.randn(12, 16, hkv, d, generator=gen).to(device) for _ in range(2))
+    qkv = torch.randn(total + 2, (hq + 2 * hkv) * d, generator=gen).to(device)
+    qkv[total:] = float("nan")                        # rows of no token
+    q = qkv[:, :hq * d].view(-1, hq, d)
+    k_new = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
+    v_new = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
+    assert k_new.stride(0) == (hq + 2 * hkv) * d and k_new.stride(1) == d
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k_new, v_new, k_ref, v_ref, meta.slot_mapping)
+    out = torch.full((total + 2, hq, d), float("nan"), device=device)
+
+    paged_attention(q, k_cache, v_cache, out, meta, num_splits=2, new_kv=(k_new, v_new))
+
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"cache write differs (seed={seed})"
+    assert_close("out", out[:total], reference.paged_attention(q, k_ref, v_ref, meta), *TOL[torch.float32], seed)
