@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from graphrt.bench.common import time_ms, write
+from graphrt.bench.common import sdpa_backend, time_ms, write
 from graphrt.bench.kernels import D, DEV, DT, HKV, HQ, _attend, causal_pairs
 from graphrt.kernels.paged_attention import KernelConfig, default_config
 
@@ -45,8 +45,9 @@ def main() -> None:
         flops = 4 * HQ * D * causal_pairs(n)
         qs, ks, vs = (torch.randn(1, h, n, D, device=DEV, dtype=DT) for h in (HQ, HKV, HKV))
         sdpa = time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True), iters=20)
+        which = sdpa_backend(qs, ks, vs, is_causal=True, enable_gqa=True)
         del qs, ks, vs
-        rows.append(dict(impl="sdpa", tokens=n, ms=sdpa, tflops=flops / sdpa / 1e9, of_sdpa=1.0))
+        rows.append(dict(impl="sdpa", tokens=n, ms=sdpa, tflops=flops / sdpa / 1e9, of_sdpa=1.0, **which))
         for c in configs:
             cfg = (default_config(D, DT, qpk, num_tokens=n) if c is None else
                    KernelConfig(block_q=c[0] // qpk, block_n=c[1], num_warps=c[2], num_stages=c[3], short_block_n=128))

@@ -33,6 +33,10 @@ def test_bench_quick(name, tmp_path):
         # then the same with precompile in a second directory
         totals = [(r["cache"], r["precompile"]) for r in data["rows"] if r["bucket"] == "all"]
         assert totals == [("cold", False), ("warm", False), ("cold", True), ("warm", True)], data["rows"]
+    if name == "kernels":      # what SDPA ran is on record beside its time
+        sdpa = [r for r in data["rows"] if r["impl"] == "sdpa"]
+        assert sdpa and all(r["sdpa_backend"] in {"MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION",
+                                                  "CUDNN_ATTENTION", "OVERRIDEABLE"} for r in sdpa), sdpa
     if name == "runtime":
         assert 1 in {r["layers"] for r in data["rows"]}, "no one-layer row"
     if name == "step":

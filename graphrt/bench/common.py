@@ -122,6 +122,33 @@ def host_median_us(fn, reps: int, sync) -> float:
     return 1e6 * statistics.median(times)
 
 
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> dict:
+    """Which torch SDPA implementation ``F.scaled_dot_product_attention(q, k, v, **kwargs)``
+    runs: torch's own choice (``sdpa_backend``: the name of a ``SDPBackend``, from
+    ``torch._fused_sdp_choice``) and, on CUDA, the kernels one call launched
+    (``sdpa_kernels``, from the profiler), so that a JSON says what it was compared with."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    out: dict = {}
+    try:
+        out["sdpa_backend"] = SDPBackend(torch._fused_sdp_choice(q, k, v, **kwargs)).name
+    except Exception as exc:             # a private helper: another torch may lack or change it
+        out["sdpa_backend"] = f"unknown ({type(exc).__name__})"
+    if q.is_cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        try:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                F.scaled_dot_product_attention(q, k, v, **kwargs)
+                torch.cuda.synchronize()
+            names = {e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA}
+            out["sdpa_kernels"] = sorted(n[:160] for n in names)
+        except Exception as exc:         # the record is worth less than the run it sits in
+            out["sdpa_kernels"] = [f"unknown ({type(exc).__name__}: {exc})"[:160]]
+    return out
+
+
 def time_ms(fn, *, iters: int = 50, graph: bool = True) -> float:
     """Median ms of one call of ``fn``: as a CUDA graph replay (warm-up, capture, replay)
     timed with events, or without CUDA eagerly with the host clock."""

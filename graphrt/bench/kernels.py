@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from graphrt.bench.common import default_out, plot, progress, time_ms, write
+from graphrt.bench.common import default_out, plot, progress, sdpa_backend, time_ms, write
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -177,12 +177,14 @@ def bench_prefill(rows, env, sizes, flex: bool, quiet):
             ms, _ = _attend([n], [0], [ranges], decode=False, iters=20, new_kv=True)
             ms_cache, _ = _attend([n], [0], [ranges], decode=False, iters=20)
             timings = {"graphrt": ms, "graphrt_cache": ms_cache}
+            which = {}
             if not ranges:
                 qs = torch.randn(1, HQ, n, D, device=DEV, dtype=DT)
                 ks = torch.randn(1, HKV, n, D, device=DEV, dtype=DT)
                 vs = torch.randn(1, HKV, n, D, device=DEV, dtype=DT)
                 timings["sdpa"] = time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
                                                                                    enable_gqa=True), iters=20)
+                which["sdpa"] = sdpa_backend(qs, ks, vs, is_causal=True, enable_gqa=True)
             if flex and CUDA:
                 try:
                     timings["flex"] = _flex_ms(n, ranges)
@@ -191,7 +193,7 @@ def bench_prefill(rows, env, sizes, flex: bool, quiet):
             for impl, t in timings.items():
                 if t is not None:
                     rows.append(dict(bench=name, impl=impl, tokens=n, ms=t, tflops=flops / t / 1e9,
-                                     of_matmul=flops / t / 1e9 / env["matmul_tflops"]))
+                                     of_matmul=flops / t / 1e9 / env["matmul_tflops"], **which.get(impl, {})))
 
 
 def bench_mixed(rows, env, prefills: int, prefill_len: int, decodes: int, ctx: int):
