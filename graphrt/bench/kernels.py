@@ -123,6 +123,18 @@ def kv_bytes(batch: int, ctx: int, itemsize: int = 2) -> int:
     return 2 * batch * ctx * HKV * D * itemsize
 
 
+def _tile(**kwargs) -> dict:
+    """The table's tile for a launch (``default_config``'s keywords), for the JSON:
+    rows (tokens x query heads per KV head) x keys, warps, stages."""
+    import triton
+
+    from graphrt.kernels import default_config
+
+    c = default_config(D, DT, HQ // HKV, **kwargs)
+    rows = c.block_q * triton.next_power_of_2(HQ // HKV)
+    return {"tile": f"{rows}x{c.block_n} w{c.num_warps} s{c.num_stages}"}
+
+
 def bench_decode(rows, env, batches, contexts, quiet):
     for ctx in contexts:
         for batch in progress(batches, f"decode ctx={ctx}", quiet):
@@ -131,12 +143,14 @@ def bench_decode(rows, env, batches, contexts, quiet):
             ms, splits = _attend(*decode, decode=True, calls=calls)
             tbps = kv_bytes(batch, ctx) / ms / 1e9
             rows.append(dict(bench="decode", impl="graphrt", batch=batch, context=ctx, splits=splits, ms=ms,
-                             calls_per_graph=calls, tbps=tbps, of_copy=tbps / env["copy_tbps"]))
+                             calls_per_graph=calls, tbps=tbps, of_copy=tbps / env["copy_tbps"],
+                             **_tile(max_query_len=1)))
             calls8 = calls_per_graph(kv_bytes(batch, ctx, 1))
             ms8, _ = _attend(*decode, decode=True, fp8=True, calls=calls8)
             tbps8 = kv_bytes(batch, ctx, 1) / ms8 / 1e9             # one byte an element
             rows.append(dict(bench="decode", impl="graphrt_fp8", batch=batch, context=ctx, splits=splits, ms=ms8,
-                             calls_per_graph=calls8, tbps=tbps8, of_copy=tbps8 / env["copy_tbps"], of_bf16=ms8 / ms))
+                             calls_per_graph=calls8, tbps=tbps8, of_copy=tbps8 / env["copy_tbps"], of_bf16=ms8 / ms,
+                             **_tile(max_query_len=1)))
 
 
 def causal_pairs(n: int, ranges=()) -> int:
@@ -193,7 +207,8 @@ def bench_prefill(rows, env, sizes, flex: bool, quiet):
             for impl, t in timings.items():
                 if t is not None:
                     rows.append(dict(bench=name, impl=impl, tokens=n, ms=t, tflops=flops / t / 1e9,
-                                     of_matmul=flops / t / 1e9 / env["matmul_tflops"], **which.get(impl, {})))
+                                     of_matmul=flops / t / 1e9 / env["matmul_tflops"], **which.get(impl, {}),
+                                     **(_tile(num_tokens=n) if impl.startswith("graphrt") else {})))
 
 
 def bench_mixed(rows, env, prefills: int, prefill_len: int, decodes: int, ctx: int):
@@ -204,7 +219,8 @@ def bench_mixed(rows, env, prefills: int, prefill_len: int, decodes: int, ctx: i
     dec, _ = _attend([1] * decodes, [ctx - 1] * decodes, [[]] * decodes, decode=True, new_kv=True)
     pre, _ = _attend([prefill_len] * prefills, [0] * prefills, [[]] * prefills, decode=False, new_kv=True)
     common = dict(bench="mixed", prefills=prefills, prefill_len=prefill_len, decodes=decodes, context=ctx)
-    rows.append(dict(impl="graphrt", ms=mixed, of_parts=mixed / (dec + pre), **common))
+    rows.append(dict(impl="graphrt", ms=mixed, of_parts=mixed / (dec + pre), **common,
+                     **_tile(num_tokens=sum(q_lens))))
     rows.append(dict(impl="graphrt_decode_only", ms=dec, **common))
     rows.append(dict(impl="graphrt_prefill_only", ms=pre, **common))
 
