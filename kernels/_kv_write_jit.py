@@ -7,7 +7,7 @@ import triton.language as tl
 
 @triton.jit
 def _round_to_e4m3(x):
-    """fp32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32.
+    """fp32 x (|x| <= 448, or NaN) rounded to the nearest e4m3 value, ties to even, still in fp32.
     Triton's interpreter converts fp32 to e4m3 dropping a carry into the exponent (31.9
     becomes 16, not 32); given a value it need not round, it is exact. On the GPU the
     hardware conversion rounds and this is not used."""
@@ -15,6 +15,9 @@ def _round_to_e4m3(x):
     negative = bits < 0                                  # the sign bit (-0.0 included)
     # normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the low 20 to even
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    # NaN: the one of its sign whose top mantissa bits are set, which the interpreter's
+    # conversion (it keeps the top bits) stores as e4m3's NaN of that sign (0x7F / 0xFF)
+    bits = tl.where(x != x, tl.where(negative, -0x100000, 0x7FF00000), bits)
     # below 2**-6 e4m3 is subnormal, a multiple of 2**-9: adding 1.5 * 2**14 rounds there
     # (on |x|, so that the sign, zero included, stays x's)
     tiny = (tl.abs(x) + 24576.0) - 24576.0
@@ -25,8 +28,10 @@ def _round_to_e4m3(x):
 def _to_e4m3_values(x, scale, ROUND_E4M3: tl.constexpr):
     """What an fp8 cache stores for x: x / scale (IEEE division, as the reference),
     saturated to e4m3's range, in fp32; rounded to e4m3 here with ROUND_E4M3 (the
-    interpreter), by the store's conversion otherwise."""
-    x = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+    interpreter), by the store's conversion otherwise. NaN stays NaN (e4m3 has one), as
+    in a bf16 cache: min/max that drop it would store -448 * scale in its place."""
+    x = tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0, propagate_nan=tl.PropagateNan.ALL)
+    x = tl.minimum(x, 448.0, propagate_nan=tl.PropagateNan.ALL)
     if ROUND_E4M3:
         x = _round_to_e4m3(x)
     return x

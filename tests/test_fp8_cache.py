@@ -115,6 +115,43 @@ def test_fp8_launch_writes_new_kv(dt, splits, launch, device):
     assert torch.isnan(out[total:]).all(), "padded rows were written"
 
 
+@pytest.mark.parametrize("how", ["write_kv", "decode-launch", "mixed-launch"])
+def test_fp8_codes_of_non_finite_values(how, device):
+    """A NaN K/V value is stored as e4m3's NaN (of its sign), as a bf16 cache keeps it and
+    as the reference quantizes it, not saturated to -448 * scale (a finite value that would
+    hide it); +-inf saturate to +-448 * scale. The write alone and the launches that write
+    the new K/V themselves (the mixed one reads them from k/v in bulk copies too)."""
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    seqs = ([Seq(1, 40), Seq(1, 7), Seq(1, 0)] if how == "decode-launch" else
+            [Seq(1, 40), Seq(30, 0, ((5, 20),)), Seq(17, 20)])
+    total = sum(s.q_len for s in seqs)
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=12, max_ranges=1, rng=rng, device=device, num_seqs=4,
+                         num_tokens=total)
+    k_new, v_new = (torch.randn(total, 2, 64, generator=gen) for _ in range(2))
+    for t in (k_new, v_new):          # NaN of both signs and both infinities, at random places
+        flat = t.view(-1)
+        picks = torch.randperm(flat.numel(), generator=gen)[:8]
+        flat[picks] = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf")] * 2)
+    k_new, v_new = k_new.to(device, torch.bfloat16), v_new.to(device, torch.bfloat16)
+    scale = torch.full((2,), 0.02, device=device)
+    k_cache, v_cache = (torch.zeros(12, 16, 2, 64, device=device, dtype=FP8) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k_new, v_new, k_ref, v_ref, meta.slot_mapping, k_scale=scale, v_scale=scale)
+    if how == "write_kv":
+        write_kv(k_new, v_new, k_cache, v_cache, meta, k_scale=scale, v_scale=scale)
+    else:
+        q = torch.randn(total, 8, 64, generator=gen).to(device, torch.bfloat16)
+        paged_attention(q, k_cache, v_cache, torch.empty_like(q), meta, k_scale=scale, v_scale=scale,
+                        max_query_len=1 if how == "decode-launch" else None, new_kv=(k_new, v_new))
+    assert bool(k_ref.float().isnan().any()), "the case holds no NaN"
+    for name, got, want in (("K", k_cache, k_ref), ("V", v_cache, v_ref)):
+        nan = want.float().isnan()        # (which of e4m3's two NaNs the hardware gives is its own)
+        assert torch.equal(got.float().isnan(), nan), f"fp8 {name}: NaN codes not where the reference has them (seed={seed})"
+        assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]), \
+            f"fp8 {name} codes differ (seed={seed})"
+
+
 @pytest.mark.parametrize("magnitude", [1e-7, 1.0, 1e5], ids=["tiny", "unit", "huge"])
 def test_fp8_cache_bf16_query_any_magnitude(magnitude, device):
     """With an fp8 cache a bf16 query is taken to fp16 for the dots, scaled by a power of
