@@ -422,8 +422,11 @@ def _attend_tile(
             # e4m3 -> bf16 goes through fp32: so both dots run in fp16. q goes there scaled
             # by a power of two (exact) that puts its largest |value| in [2**14, 2**15): no
             # overflow, and more significand bits than bf16 had. The factor joins the scale.
+            # Finite values only: an inf or NaN in one row would set it for the tile's other
+            # rows (heads, tokens) and flush their values to zero.
             b_qf = b_q.to(tl.float32)
-            q_max = tl.max(tl.max(tl.abs(b_qf), axis=1), axis=0)
+            b_qa = tl.abs(b_qf)
+            q_max = tl.max(tl.max(tl.where(b_qa < float("inf"), b_qa, 0.0), axis=1), axis=0)
             shift = tl.maximum(((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, -126)
             q_div = ((shift + 127) << 23).to(tl.float32, bitcast=True)
             b_q = (b_qf / q_div).to(tl.float16)

@@ -177,6 +177,33 @@ def test_fp8_cache_bf16_query_any_magnitude(magnitude, device):
     assert_close(f"out (|q| ~ {magnitude:g})", out, ref, *TOL[torch.bfloat16], seed)
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_fp8_cache_non_finite_query_stays_in_its_row(value, device):
+    """With an fp8 cache a bf16 query tile is scaled by a power of two from its largest
+    |value|: one inf (or NaN) in one query row must not set that factor for the rows beside
+    it (other query heads of the KV head, other tokens of the sequence), which must match
+    the reference as if it were not there."""
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    total = sum(s.q_len for s in SEQS)
+    meta, _ = build_meta(SEQS, block_size=16, num_blocks=20, max_ranges=1, rng=rng, device=device, num_seqs=6,
+                         num_tokens=total)
+    scale = torch.full((2,), 0.01, device=device)
+    k_cache, v_cache = (reference.quantize(torch.randn(320, 2, 64, generator=gen).to(device), scale)
+                        .view(20, 16, 2, 64) for _ in range(2))
+    q = torch.randn(total, 8, 64, generator=gen).to(device, torch.bfloat16)
+    bad = [(0, 1, 5), (21, 6, 0), (total - 3, 2, 63)]     # (token, head, dim): a decode, prefill tokens
+    for t, h, d in bad:
+        q[t, h, d] = value
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k_cache, v_cache, out, meta, k_scale=scale, v_scale=scale)
+    ref = reference.paged_attention(q, k_cache, v_cache, meta, k_scale=scale, v_scale=scale)
+    clean = torch.ones(total, 8, dtype=torch.bool)
+    for t, h, _ in bad:
+        clean[t, h] = False
+    assert_close("out (rows without the non-finite value)", out[clean], ref[clean], *TOL[torch.bfloat16], seed)
+
+
 def test_fp8_write_rounds_like_torch(device):
     """Every e4m3 rounding case (ties, subnormals, saturation, signed zero) as torch's cast."""
     values = torch.cat([torch.linspace(-500, 500, 2003), torch.linspace(-0.03, 0.03, 1001),
