@@ -553,3 +553,30 @@ def test_new_kv_from_fused_qkv_rows(head_dim, device, monkeypatch):
 
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"cache write differs (seed={seed})"
     assert_close("out", out[:total], reference.paged_attention(q, k_ref, v_ref, meta), *TOL[torch.float32], seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("launch", ["mixed", "mixed-split", "decode-split"])
+def test_non_finite_query_stays_in_its_row(launch, dtype, device):
+    """inf and NaN in single query rows (a head of a token) reach only those rows' outputs:
+    the other heads of the KV head and the other tokens of the tile match the reference."""
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    decode = launch.startswith("decode")
+    seqs = [S(1, 70), S(1, 9), S(1, 33)] if decode else [S(1, 40, ((2, 30),)), S(30, 0, ((5, 20),)), S(17, 50)]
+    total = sum(s.q_len for s in seqs)
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=16, max_ranges=1, rng=rng, device=device, num_seqs=4,
+                         num_tokens=total)
+    k_cache, v_cache = (torch.randn(16, 16, 2, 64, generator=gen).to(device, dtype) for _ in range(2))
+    q = torch.randn(total, 8, 64, generator=gen).to(device, dtype)
+    bad = [(0, 1, 5, float("inf")), (total - 2, 6, 0, float("nan")), (total // 2, 3, 63, -float("inf"))]
+    for t, h, d, x in bad:
+        q[t, h, d] = x
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k_cache, v_cache, out, meta, num_splits=3 if launch.endswith("split") else 1,
+                    max_query_len=1 if decode else None)
+    ref = reference.paged_attention(q, k_cache, v_cache, meta)
+    clean = torch.ones(total, 8, dtype=torch.bool)
+    for t, h, _, _ in bad:
+        clean[t, h] = False
+    assert_close("out (rows without a non-finite value)", out[clean], ref[clean], *TOL[dtype], seed)
