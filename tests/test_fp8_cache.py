@@ -147,7 +147,8 @@ def test_fp8_codes_of_non_finite_values(how, device):
     assert bool(k_ref.float().isnan().any()), "the case holds no NaN"
     for name, got, want in (("K", k_cache, k_ref), ("V", v_cache, v_ref)):
         nan = want.float().isnan()        # (which of e4m3's two NaNs the hardware gives is its own)
-        assert torch.equal(got.float().isnan(), nan), f"fp8 {name}: NaN codes not where the reference has them (seed={seed})"
+        assert torch.equal(got.float().isnan(), nan), \
+            f"fp8 {name}: NaN codes not where the reference has them (seed={seed})"
         assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]), \
             f"fp8 {name} codes differ (seed={seed})"
 
@@ -192,7 +193,7 @@ def test_fp8_cache_non_finite_query_stays_in_its_row(value, device):
     k_cache, v_cache = (reference.quantize(torch.randn(320, 2, 64, generator=gen).to(device), scale)
                         .view(20, 16, 2, 64) for _ in range(2))
     q = torch.randn(total, 8, 64, generator=gen).to(device, torch.bfloat16)
-    bad = [(0, 1, 5), (21, 6, 0), (total - 3, 2, 63)]     # (token, head, dim): a decode, prefill tokens
+    bad = [(20, 1, 5), (3, 6, 0), (total - 3, 2, 63)]     # (token, head, dim): a decode, prefill tokens
     for t, h, d in bad:
         q[t, h, d] = value
     out = torch.full_like(q, float("nan"))
