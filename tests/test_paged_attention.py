@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from _cases import DTYPES, TOL, Seq, assert_close, build_meta, fresh_seed, random_seqs, rngs
-from graphrt.kernels import KernelConfig, default_config, paged_attention, reference, split_workspace, write_kv
+from graphrt.kernels import (AttentionMetadata, KernelConfig, default_config, paged_attention, reference, split_workspace,
+                             write_kv)
 
 S = Seq
 RANGE_EDGES = (
@@ -580,3 +581,23 @@ def test_non_finite_query_stays_in_its_row(launch, dtype, device):
     for t, h, _, _ in bad:
         clean[t, h] = False
     assert_close("out (rows without a non-finite value)", out[clean], ref[clean], *TOL[dtype], seed)
+
+
+@pytest.mark.parametrize("launch", ["plain", "split", "decode-new-kv", "new-kv"])
+def test_launch_of_no_token_slots(launch, device):
+    """Metadata of 0 token slots (an empty step built by hand): every launch form returns
+    and writes nothing."""
+    meta = AttentionMetadata(
+        query_start_loc=torch.zeros(2, dtype=torch.int32, device=device),
+        seq_lens=torch.zeros(1, dtype=torch.int32, device=device),
+        block_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
+        prefix_ranges=torch.zeros(1, 0, 2, dtype=torch.int32, device=device),
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device=device))
+    k_cache = torch.randn(2, 16, 2, 64, device=device)
+    v_cache = torch.randn_like(k_cache)
+    before = (k_cache.clone(), v_cache.clone())
+    q, k = torch.zeros(0, 4, 64, device=device), torch.zeros(0, 2, 64, device=device)
+    opts = {"plain": {}, "split": dict(num_splits=2), "decode-new-kv": dict(max_query_len=1, new_kv=(k, k)),
+            "new-kv": dict(new_kv=(k, k))}[launch]
+    paged_attention(q, k_cache, v_cache, torch.empty_like(q), meta, **opts)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
