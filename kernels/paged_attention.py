@@ -195,9 +195,9 @@ def _offsets_fit_32(cache: torch.Tensor) -> bool:
 def _bulk_loadable(k: torch.Tensor, v: torch.Tensor, block_n: int, head_dim_pad: int) -> bool:
     """Whether the attention kernel can read k and v ([T, Hkv, D]) as rows [T, Hkv * D]
     through tensor descriptors (bulk copies, sm_90 and up; Triton's interpreter emulates
-    them): heads adjacent, 16-byte aligned rows and start, at least one row (a descriptor
-    has no empty dims)."""
-    if k.shape[0] == 0:
+    them): heads adjacent, 16-byte aligned rows, start and heads (a copy starts at column
+    h * D), at least one row (a descriptor has no empty dims)."""
+    if k.shape[0] == 0 or (k.shape[1] > 1 and (k.shape[2] * k.element_size()) % 16 != 0):
         return False
     if k.device.type == "cuda" and torch.cuda.get_device_capability(k.device)[0] < 9:
         return False

@@ -499,6 +499,28 @@ def test_fused_merge_over_many_replays():
         assert int(workspace[2].count_nonzero()) == 0, f"a tile counter was left set (seed={seed})"
 
 
+@pytest.mark.parametrize("head_dim", [12, 20])
+def test_new_kv_heads_not_16_byte_aligned(head_dim, device):
+    """fp16 rows whose heads do not start on 16 bytes (12 or 20 halves a head, rows still
+    aligned): the copies could not start at a head, so the launch writes first and reads the
+    cache; same cache bytes and output as the reference."""
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    seqs = [S(1, 20), S(19, 0, ((2, 9),)), S(7, 30)]
+    total = sum(s.q_len for s in seqs)
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=12, max_ranges=1, rng=rng, device=device, num_seqs=4,
+                         num_tokens=total)
+    k_cache, v_cache = (torch.randn(12, 16, 2, head_dim, generator=gen).to(device, torch.float16) for _ in range(2))
+    k_new, v_new = (torch.randn(total, 2, head_dim, generator=gen).to(device, torch.float16) for _ in range(2))
+    q = torch.randn(total, 4, head_dim, generator=gen).to(device, torch.float16)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k_new, v_new, k_ref, v_ref, meta.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k_cache, v_cache, out, meta, num_splits=2, new_kv=(k_new, v_new))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"cache write differs (seed={seed})"
+    assert_close("out", out, reference.paged_attention(q, k_ref, v_ref, meta), *TOL[torch.float16], seed)
+
+
 def test_new_kv_without_bulk_copies(device):
     """K/V whose heads are not adjacent (a slice of wider rows) cannot be read as rows
     through descriptors: the launch writes them first (``write_kv``) and reads the cache,
