@@ -39,7 +39,6 @@ def main() -> None:
     parser.add_argument("--new-kv", action="store_true",
                         help="launches given the new K/V (the runtime's decode buckets: the write in the launch)")
     args = parser.parse_args()
-    kv = dict(new_kv=args.new_kv)
     quick = not torch.cuda.is_available()
     shapes = [(1, 64), (4, 64)] if quick else SHAPES
     configs = CONFIGS[:2] if quick else CONFIGS
@@ -47,7 +46,7 @@ def main() -> None:
     rows = []
     for batch, ctx in shapes:
         decode = ([1] * batch, [ctx - 1] * batch, [[]] * batch)
-        bf16, splits = _attend(*decode, decode=True, **kv)
+        bf16, splits = _attend(*decode, decode=True, new_kv=args.new_kv)
         rows.append(dict(impl="bf16_default", batch=batch, context=ctx, splits=splits, ms=bf16, of_bf16=1.0,
                          new_kv=args.new_kv))
         runs = [("fp8", c) for c in configs] + [("bf16", (base.block_n, base.num_warps, base.num_stages, cap))
@@ -56,7 +55,7 @@ def main() -> None:
             cfg = base if c is None else KernelConfig(block_q=base.block_q, block_n=c[0], num_warps=c[1],
                                                       num_stages=c[2], maxnreg=c[3])
             try:
-                ms, _ = _attend(*decode, decode=True, fp8=impl == "fp8", config=cfg, **kv)
+                ms, _ = _attend(*decode, decode=True, fp8=impl == "fp8", config=cfg, new_kv=args.new_kv)
             except Exception as exc:          # a config that does not compile or fit: recorded, not fatal
                 print(f"batch {batch} ctx {ctx} {impl} {c}: {type(exc).__name__}: {exc}"[:200])
                 continue

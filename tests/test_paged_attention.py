@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from _cases import DTYPES, TOL, Seq, assert_close, build_meta, fresh_seed, random_seqs, rngs
-from graphrt.kernels import (AttentionMetadata, KernelConfig, default_config, paged_attention, reference, split_workspace,
-                             write_kv)
+from graphrt.kernels import (AttentionMetadata, KernelConfig, default_config, paged_attention, reference,
+                             split_workspace, write_kv)
 
 S = Seq
 RANGE_EDGES = (
@@ -499,50 +499,43 @@ def test_fused_merge_over_many_replays():
         assert int(workspace[2].count_nonzero()) == 0, f"a tile counter was left set (seed={seed})"
 
 
-@pytest.mark.parametrize("head_dim", [12, 20])
-def test_new_kv_heads_not_16_byte_aligned(head_dim, device):
-    """fp16 rows whose heads do not start on 16 bytes (12 or 20 halves a head, rows still
-    aligned): the copies could not start at a head, so the launch writes first and reads the
-    cache; same cache bytes and output as the reference."""
-    seed = fresh_seed()
-    rng, gen = rngs(seed)
-    seqs = [S(1, 20), S(19, 0, ((2, 9),)), S(7, 30)]
-    total = sum(s.q_len for s in seqs)
-    meta, _ = build_meta(seqs, block_size=16, num_blocks=12, max_ranges=1, rng=rng, device=device, num_seqs=4,
-                         num_tokens=total)
-    k_cache, v_cache = (torch.randn(12, 16, 2, head_dim, generator=gen).to(device, torch.float16) for _ in range(2))
-    k_new, v_new = (torch.randn(total, 2, head_dim, generator=gen).to(device, torch.float16) for _ in range(2))
-    q = torch.randn(total, 4, head_dim, generator=gen).to(device, torch.float16)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    reference.write_kv(k_new, v_new, k_ref, v_ref, meta.slot_mapping)
-    out = torch.full_like(q, float("nan"))
-    paged_attention(q, k_cache, v_cache, out, meta, num_splits=2, new_kv=(k_new, v_new))
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"cache write differs (seed={seed})"
-    assert_close("out", out, reference.paged_attention(q, k_ref, v_ref, meta), *TOL[torch.float16], seed)
+# K/V the bulk copies cannot read as rows [T, Hkv * D]: (dtype, head_dim, row width of the
+# tensor k and v are sliced from)
+NO_BULK_KV = {
+    "heads-not-adjacent": (torch.float32, 64, 96),     # a slice of wider rows: stride(1) = 96
+    "heads-unaligned-12": (torch.float16, 12, 12),     # 24-byte heads in 48-byte rows
+    "heads-unaligned-20": (torch.float16, 20, 20),     # 40-byte heads in 80-byte rows
+}
 
 
-def test_new_kv_without_bulk_copies(device):
-    """K/V whose heads are not adjacent (a slice of wider rows) cannot be read as rows
-    through descriptors: the launch writes them first (``write_kv``) and reads the cache,
-    with the same cache bytes and output."""
+@pytest.mark.parametrize("kind", sorted(NO_BULK_KV))
+def test_new_kv_without_bulk_copies(kind, device, monkeypatch):
+    """K/V whose heads are not adjacent, or do not start on 16 bytes though the rows do
+    (a copy starts at a head), cannot be read through descriptors: the launch writes them
+    first (``write_kv``) and reads the cache, with the same cache bytes and output."""
+    dtype, head_dim, width = NO_BULK_KV[kind]
+    module = importlib.import_module("graphrt.kernels.paged_attention")
+    writes, write = [], module.write_kv
+    monkeypatch.setattr(module, "write_kv", lambda *a, **kw: (writes.append(1), write(*a, **kw)))
     seed = fresh_seed()
     rng, gen = rngs(seed)
     seqs = [S(1, 40, ((2, 30),)), S(30, 0, ((5, 20),)), S(17, 50)]
     total = sum(s.q_len for s in seqs)
     meta, _ = build_meta(seqs, block_size=16, num_blocks=12, max_ranges=1, rng=rng, device=device, num_seqs=4,
                          num_tokens=total + 2)
-    k_cache, v_cache = (torch.randn(12, 16, 2, 64, generator=gen).to(device) for _ in range(2))
-    wide = torch.randn(2, total + 2, 2, 96, generator=gen).to(device)
-    k_new, v_new = wide[0, :, :, :64], wide[1, :, :, :64]          # stride(1) = 96: heads not adjacent
-    q = torch.randn(total + 2, 8, 64, generator=gen).to(device)
+    k_cache, v_cache = (torch.randn(12, 16, 2, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+    wide = torch.randn(2, total + 2, 2, width, generator=gen).to(device, dtype)
+    k_new, v_new = wide[0, :, :, :head_dim], wide[1, :, :, :head_dim]
+    q = torch.randn(total + 2, 8, head_dim, generator=gen).to(device, dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     reference.write_kv(k_new, v_new, k_ref, v_ref, meta.slot_mapping)
     out = torch.full_like(q, float("nan"))
 
-    paged_attention(q, k_cache, v_cache, out, meta, new_kv=(k_new, v_new))
+    paged_attention(q, k_cache, v_cache, out, meta, num_splits=2, new_kv=(k_new, v_new))
 
+    assert writes, "the launch read k/v through descriptors instead of writing them first"
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), f"cache write differs (seed={seed})"
-    assert_close("out", out[:total], reference.paged_attention(q, k_ref, v_ref, meta), *TOL[torch.float32], seed)
+    assert_close("out", out[:total], reference.paged_attention(q, k_ref, v_ref, meta), *TOL[dtype], seed)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80])
