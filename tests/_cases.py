@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 
 from graphrt.kernels import AttentionMetadata
 
@@ -21,6 +22,12 @@ DTYPES = [
     pytest.param(torch.bfloat16, id="bf16"),
 ]
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def examples(n: int) -> int:
+    """A hypothesis test's example count: n in CI's profile, 10n in the "random" one
+    (conftest.py)."""
+    return 10 * n if settings.get_current_profile_name() == "random" else n
 
 
 def fresh_seed() -> int:

@@ -13,6 +13,17 @@ if "kernels" in sys.modules and Path(getattr(sys.modules["kernels"], "__file__",
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Hypothesis profiles. "ci" (the default, what the README's test command runs) draws the
+# same examples on every run: the seed comes from each test's source, and no database of
+# earlier failures is read, so a CI result can be reproduced on any machine. "random"
+# draws fresh examples, ten times as many (`_cases.examples`), for a developer's longer
+# run: `python -m pytest -m hypothesis --hypothesis-profile=random` (add
+# `--hypothesis-seed=N` to replay one). Either prints the blob that reproduces a failure.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("random", database=None, print_blob=True)
+settings.load_profile("ci")
 
 # Triton chooses compiled or interpreted kernels when they are defined, so decide before
 # any test module imports graphrt.kernels.

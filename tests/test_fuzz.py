@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from _cases import TOL, assert_close
+from _cases import TOL, assert_close, examples
 from graphrt import Runtime, RuntimeConfig, SeqStep, Step
 from graphrt.checking import ReferenceRunner
 from graphrt.toy import ToyModel
@@ -49,7 +49,7 @@ def runtime(device):
     return Runtime(CFG, model, num_layers=1, device=device), model
 
 
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=examples(12), **SETTINGS)
 @given(shapes=seq_shapes(), perm=st.permutations(range(CFG.num_blocks)), data=st.data())
 def test_valid_steps_match_reference(shapes, perm, data, device):
     rt, model = runtime(device)
@@ -75,7 +75,10 @@ BREAKS = {
 }
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=examples(40), **SETTINGS)
+@example(shapes=[(1, 0, [])], perm=list(range(CFG.num_blocks)), breaking="q_len 0", other="block written twice")
+@example(shapes=[(1, 16, []), (2, 0, [])], perm=list(range(CFG.num_blocks)), breaking="q_len 0",
+         other="block written twice")
 @given(shapes=seq_shapes(), perm=st.permutations(range(CFG.num_blocks)), breaking=st.sampled_from(sorted(BREAKS)),
        other=st.sampled_from(["block id high", "too few blocks", "block written twice", "ids float", "ids short",
                               "none"]))
@@ -97,13 +100,17 @@ def test_invalid_steps_change_nothing(shapes, perm, breaking, other, device):
             blocks = []
         if blocks is not None:
             bad = Step([SeqStep(q_len=q, context_len=c, block_ids=blocks, prefix_ranges=r) for q, c, r in shapes])
-        if other == "block written twice":          # a second sequence writes into seq 0's block
-            q0, c0, _ = shapes[0]
-            shared = bad.block_table[0, c0 // 16]
-            bad = Step([*[SeqStep(q_len=q, context_len=c, block_ids=list(row[: -(-(q + c) // 16)]), prefix_ranges=r)
-                          for (q, c, r), row in zip(shapes, bad.block_table.tolist())],
-                        SeqStep(q_len=1, context_len=0, block_ids=[int(shared)])])
-            q_lens.append(1)
+        if other == "block written twice":          # one more sequence writes into a block a sequence writes
+            rows = [row[: -(-(q + c) // 16)] for (q, c, _), row in zip(shapes, bad.block_table.tolist())]
+            writers = [(i, c) for i, (q, c, _) in enumerate(shapes) if q > 0]
+            # the first sequence that writes (none after "q_len 0" of a lone sequence: then
+            # the new sequence writes into the block of a second new one)
+            extra = [] if writers else [SeqStep(q_len=1, context_len=0, block_ids=[perm[0]])]
+            shared = rows[writers[0][0]][writers[0][1] // 16] if writers else perm[0]
+            bad = Step([*[SeqStep(q_len=q, context_len=c, block_ids=row, prefix_ranges=r)
+                          for (q, c, r), row in zip(shapes, rows)],
+                        *extra, SeqStep(q_len=1, context_len=0, block_ids=[int(shared)])])
+            q_lens += [1] * (1 + len(extra))
         ids = {"ids float": np.zeros(sum(q_lens)), "ids short": np.zeros(max(0, sum(q_lens) - 1), np.int64)}.get(
             other, np.zeros(sum(q_lens), np.int64))
     except TypeError:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from _cases import TOL, Seq, assert_close, build_meta, fresh_seed, rngs
+from _cases import TOL, Seq, assert_close, build_meta, examples, fresh_seed, rngs
 from graphrt import Runtime, RuntimeConfig, SeqStep, Step
 from graphrt.kernels import AttentionMetadata, KernelConfig, default_config, paged_attention, reference, write_kv
 
@@ -114,7 +114,7 @@ ANY32 = st.one_of(EDGES32, st.integers(-40, 120), st.integers(-(2 ** 31), 2 ** 3
 ANY64 = st.one_of(st.integers(-4, 300), st.sampled_from([-1, 2 ** 62, -(2 ** 62), 255, 256]))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(data=st.data(), num_seqs=st.integers(1, 3), num_tokens=st.integers(1, 12), max_blocks=st.integers(1, 5),
        max_ranges=st.integers(0, 2), splits=st.sampled_from([1, 1, 2]),
@@ -356,7 +356,7 @@ GOOD = dict(     # valid values, edges included
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(data=st.data(), wild=st.sampled_from([None, *WILD]))
 def test_paged_attention_arguments_refused_or_right(data, wild, device):
