@@ -4,7 +4,10 @@ Layout of a bucket of S sequences and T tokens (byte offsets from the arena's st
 field 16-byte aligned):
 
     slot_mapping     [T]        int64  cache slot of each new token, -1 = padding
-    positions        [T]        int64  sequence position of each new token (0 for padding)
+    positions        [P, T]     int64  position rows of each new token (0 for padding): P =
+                                       cfg.position_rows, 1 unless the model takes several
+                                       (multimodal RoPE); its sequence position unless the
+                                       step gives others
     input_ids        [T]        int64  the step's token ids (0 for padding)
     query_start_loc  [S + 1]    int32  cumulative new tokens; padding repeats the total
     seq_lens         [S]        int32  context + new tokens; 0 for padding
@@ -51,10 +54,13 @@ class Layout:
     max_blocks: int
     offsets: dict
     block_table_offset: int
+    position_rows: int = 1
 
     @staticmethod
-    def make(num_seqs: int, num_tokens: int, max_ranges: int, max_blocks: int, *, embeds: bool = False) -> "Layout":
-        fields = [("slot_mapping", 8 * num_tokens), ("positions", 8 * num_tokens), ("input_ids", 8 * num_tokens),
+    def make(num_seqs: int, num_tokens: int, max_ranges: int, max_blocks: int, *, embeds: bool = False,
+             position_rows: int = 1) -> "Layout":
+        fields = [("slot_mapping", 8 * num_tokens), ("positions", 8 * position_rows * num_tokens),
+                  ("input_ids", 8 * num_tokens),
                   ("query_start_loc", 4 * (num_seqs + 1)), ("seq_lens", 4 * num_seqs),
                   ("prefix_ranges", 4 * num_seqs * max_ranges * 2)]
         if embeds:
@@ -63,7 +69,7 @@ class Layout:
         for name, nbytes in fields:
             offsets[name] = at
             at += -(-nbytes // _ALIGN) * _ALIGN
-        return Layout(num_seqs, num_tokens, max_ranges, max_blocks, offsets, at)
+        return Layout(num_seqs, num_tokens, max_ranges, max_blocks, offsets, at, position_rows)
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +90,9 @@ class Layout:
         bt = flat[self.block_table_offset: self.nbytes].view(lib[4]).reshape(self.max_blocks, s)
         return dict(
             slot_mapping=view("slot_mapping", 8, t),
-            positions=view("positions", 8, t),
+            # [T] for one position row (what most models read), [P, T] for several
+            positions=(view("positions", 8, t) if self.position_rows == 1 else
+                       view("positions", 8, self.position_rows * t).reshape(self.position_rows, t)),
             input_ids=view("input_ids", 8, t),
             query_start_loc=view("query_start_loc", 4, s + 1),
             seq_lens=view("seq_lens", 4, s),
@@ -111,7 +119,7 @@ class DeviceViews:
 
     layout: Layout
     meta: AttentionMetadata
-    positions: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64, or [P, T] with cfg.position_rows = P > 1
     input_ids: torch.Tensor      # [T] int64
     embed_index: torch.Tensor | None     # [T] int32, -1 = no given embedding (None: embed_dim 0)
     inputs_embeds: torch.Tensor | None   # [T, embed_dim] cfg.dtype, rows packed from 0
@@ -153,13 +161,14 @@ class StepBuffers:
     def layout(self, num_seqs: int, num_tokens: int) -> Layout:
         """The arena layout of a bucket of num_seqs sequences and num_tokens tokens."""
         return Layout.make(num_seqs, num_tokens, self.cfg.max_prefix_ranges, self.cfg.max_blocks_per_seq,
-                           embeds=self.cfg.embed_dim > 0)
+                           embeds=self.cfg.embed_dim > 0, position_rows=self.cfg.position_rows)
 
     def device_views(self, layout: Layout) -> DeviceViews:
         """Typed device views of the arena under ``layout``: the AttentionMetadata
         (query_start_loc [S+1] i32, seq_lens [S] i32, block_table [S, B] i32 column-major,
-        prefix_ranges [S, R, 2] i32, slot_mapping [T] i64), positions and input_ids [T] i64,
-        and with embeddings embed_index [T] i32 and inputs_embeds [T, embed_dim]."""
+        prefix_ranges [S, R, 2] i32, slot_mapping [T] i64), positions ([T] i64, or [P, T] with
+        several position rows), input_ids [T] i64, and with embeddings embed_index [T] i32 and
+        inputs_embeds [T, embed_dim]."""
         v = layout.views(self.arena)
         meta = AttentionMetadata(query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"],
                                  block_table=v["block_table"], prefix_ranges=v["prefix_ranges"],
@@ -168,11 +177,13 @@ class StepBuffers:
         return DeviceViews(layout, meta, v["positions"], v["input_ids"], v["embed_index"], embeds)
 
     def pack(self, step: Step, layout: Layout, input_ids: np.ndarray | None = None,
-             embed_rows: np.ndarray | None = None) -> int:
+             embed_rows: np.ndarray | None = None, positions: np.ndarray | None = None) -> int:
         """Write ``step`` (validated, fitting ``layout``) into the next free pinned slot and
         return the slot; ``embed_rows`` (checked) are the tokens whose embeddings the step
-        brings, in the order of their rows. Waits on the GPU only when every slot still has
-        a copy in flight, that is when the host is ``ring`` steps ahead."""
+        brings, in the order of their rows; ``positions`` (checked, [P, num_tokens]) the
+        tokens' position rows where the step gives them (default: each token's sequence
+        position in every row). Waits on the GPU only when every slot still has a copy in
+        flight, that is when the host is ``ring`` steps ahead."""
         slot = self._next
         self._next = (slot + 1) % len(self.staging)
         event = self._events[slot]
@@ -184,11 +195,17 @@ class StepBuffers:
         v = self._host_views.get(key)
         if v is None:
             v = self._host_views[key] = layout.views(self._staging_np[slot])
+        pos = v["positions"]                          # [T] or [P, T]
+        rows = pos if pos.ndim == 1 else pos[0]
         step.pack(self.cfg.block_size, query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"],
                   block_table=v["block_table"], prefix_ranges=v["prefix_ranges"],
-                  slot_mapping=v["slot_mapping"], positions=v["positions"])
-        ids = v["input_ids"]
+                  slot_mapping=v["slot_mapping"], positions=rows)
         n = step.num_tokens
+        if positions is not None:                     # given: over the sequence positions just packed
+            pos.reshape(-1, pos.shape[-1])[:, :n] = positions
+        elif pos.ndim == 2:                           # several rows, none given: each one the sequence position
+            pos[1:] = pos[0]
+        ids = v["input_ids"]
         if input_ids is None:
             ids[:] = 0
         else:

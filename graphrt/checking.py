@@ -19,8 +19,15 @@ from graphrt.step import Step, build_metadata
 
 
 class _ReferenceContext:
-    def __init__(self, runner: "ReferenceRunner", step: Step, input_ids, embeds, embed_rows):
-        self.meta, self.positions = build_metadata(step, runner.cfg, runner.device)
+    def __init__(self, runner: "ReferenceRunner", step: Step, input_ids, embeds, embed_rows, positions):
+        self.meta, self.positions = build_metadata(step, runner.cfg, runner.device)   # [T]
+        rows = runner.cfg.position_rows
+        if positions is not None:
+            self.positions = torch.as_tensor(np.asarray(positions), dtype=torch.int64,
+                                             device=runner.device).reshape(rows, -1)
+            self.positions = self.positions[0] if rows == 1 else self.positions
+        elif rows > 1:
+            self.positions = self.positions.expand(rows, -1)                         # [P, T]
         self.input_ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.int64, device=runner.device)
         self.last_token_index = (self.meta.query_start_loc[1:] - 1).long()   # [S]
         self.num_tokens, self.num_seqs = step.num_tokens, step.num_seqs
@@ -69,8 +76,9 @@ class ReferenceRunner:
         self.k_caches = [torch.zeros(shape, dtype=cfg.cache_dtype, device=device) for _ in range(num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=cfg.cache_dtype, device=device) for _ in range(num_layers)]
 
-    def step(self, step: Step, input_ids, *, embeds: torch.Tensor | None = None, embed_rows=None) -> Any:
-        """Run ``model_step`` on ``step`` (input_ids: [num_tokens] ints; embeds and
-        embed_rows as ``Runtime.step`` takes them) with reference attention; returns what
-        the model step returns (unpadded: num_tokens rows)."""
-        return self.model_step(_ReferenceContext(self, step, input_ids, embeds, embed_rows))
+    def step(self, step: Step, input_ids, *, embeds: torch.Tensor | None = None, embed_rows=None,
+             positions=None) -> Any:
+        """Run ``model_step`` on ``step`` (input_ids: [num_tokens] ints; embeds, embed_rows
+        and positions as ``Runtime.step`` takes them) with reference attention; returns
+        what the model step returns (unpadded: num_tokens rows)."""
+        return self.model_step(_ReferenceContext(self, step, input_ids, embeds, embed_rows, positions))

@@ -30,6 +30,9 @@ class RuntimeConfig:
     max_prefix_ranges: int = 8  # prefix ranges (images) per sequence
     dtype: torch.dtype = torch.bfloat16
     embed_dim: int = 0          # width of input embeddings a step may bring (0: token ids only)
+    # position rows per token: 1 (a token's sequence position, or what the step gives), or
+    # up to 4 for multimodal RoPE (the Qwen2-VL family's time, height and width rows: 3)
+    position_rows: int = 1
     # KV-cache element type: None (dtype) or torch.float8_e4m3fn, which stores K / k_scale
     # and V / v_scale per layer and KV head (``Runtime.k_scales`` / ``v_scales``)
     kv_cache_dtype: torch.dtype | None = None
@@ -45,6 +48,9 @@ class RuntimeConfig:
         if isinstance(self.max_prefix_ranges, bool) or not isinstance(self.max_prefix_ranges, int) \
                 or not 0 <= self.max_prefix_ranges <= 64:
             raise ValueError(f"RuntimeConfig.max_prefix_ranges must be an int in [0, 64], got {self.max_prefix_ranges!r}")
+        if isinstance(self.position_rows, bool) or not isinstance(self.position_rows, int) \
+                or not 1 <= self.position_rows <= 4:
+            raise ValueError(f"RuntimeConfig.position_rows must be an int in [1, 4], got {self.position_rows!r}")
         check_head_dim(self.head_dim, "RuntimeConfig.head_dim")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"RuntimeConfig.num_q_heads ({self.num_q_heads}) must be a multiple of "

@@ -6,7 +6,8 @@
     out = rt.step(step, input_ids, embeds=image_features, embed_rows=rows)   # cfg.embed_dim > 0
 
 ``model_step(ctx)`` is the user's forward: it reads ``ctx.input_ids`` / ``ctx.positions``
-(static [T] int64 tensors of the bucket), puts given embeddings in with
+(static [T] int64 tensors of the bucket; positions [P, T] with ``cfg.position_rows = P``
+rows, as multimodal RoPE takes them), puts given embeddings in with
 ``ctx.merge_embeds(x)``, calls ``ctx.attention(layer, q, k, v, ...)`` in each layer
 (KV-cache write + paged attention) and returns its outputs. Under a graph the
 outputs are static tensors, overwritten by the next replay of the same bucket: consume
@@ -43,7 +44,7 @@ class StepContext:
     def __init__(self, runtime: "Runtime", views: DeviceViews, *, max_query_len: int | None, num_splits: int):
         self.meta = views.meta                    # AttentionMetadata of the bucket
         self.input_ids = views.input_ids          # [T] int64
-        self.positions = views.positions          # [T] int64
+        self.positions = views.positions          # [T] int64 ([P, T] with cfg.position_rows = P > 1)
         self.embed_index = views.embed_index      # [T] int32 row of inputs_embeds, -1 = none; None without
         self.inputs_embeds = views.inputs_embeds  # [T, embed_dim] given embeddings, rows packed from 0
         self.num_tokens = views.layout.num_tokens  # T: token capacity of this bucket
@@ -303,19 +304,24 @@ class Runtime:
 
     # ---------------------------------------------------------------- step
     def step(self, step: Step, input_ids: Any = None, *, embeds: torch.Tensor | None = None,
-             embed_rows: Any = None) -> Any:
+             embed_rows: Any = None, positions: Any = None) -> Any:
         """Run one step. ``input_ids``: the step's token ids, [num_tokens] ints on the host
         (list, numpy, CPU tensor) or a device tensor (copied device-to-device), or None.
         ``embeds``: [n, cfg.embed_dim] input embeddings for n of the step's tokens, a tensor
         on the runtime's device (copied device-to-device into ``ctx.inputs_embeds``; host
         tensors are refused: that would be a second host copy); ``embed_rows``: the n
         tokens (indices into the step's tokens, in step order) they belong to.
+        ``positions``: the tokens' positions where they are not each token's sequence
+        position (``context_len + i``), host ints [cfg.position_rows, num_tokens] ([num_tokens]
+        also taken with one row) in [0, 2**31); they travel in the step's one pinned copy.
+        Default: the sequence position, in every row.
         Validates everything before touching a buffer; returns the step function's outputs."""
         if not isinstance(step, Step):
             raise TypeError(f"step must be a graphrt.Step, got {type(step).__name__}")
         step.validate(self.cfg)
         host_ids, device_ids = _check_input_ids(input_ids, step.num_tokens, self.device)
         rows = _check_embeds(embeds, embed_rows, step.num_tokens, self.cfg, self.device)
+        host_positions = _check_positions(positions, step.num_tokens, self.cfg)
         n_seqs, n_tokens = step.num_seqs, step.num_tokens
         captured = self.graphs.pick(n_seqs, n_tokens, step.is_decode) if self.graphs else None
         if captured is not None:
@@ -332,7 +338,7 @@ class Runtime:
             nbytes = layout.copy_bytes(step.block_columns)
             tr = self.tracer
             if not tr.enabled:      # the same three stages with no range calls (a few us a step)
-                slot = self.buffers.pack(step, layout, host_ids, rows)
+                slot = self.buffers.pack(step, layout, host_ids, rows, host_positions)
                 self._copy(ctx, slot, nbytes, strict, n_tokens, device_ids, embeds, rows)
                 outputs = self.graphs.replay(captured) if captured is not None else self.model_step(ctx)
             else:                   # three ranges, prebuilt per step shape, pushed here
@@ -340,7 +346,7 @@ class Runtime:
                 domain = tr.domain
                 domain.push_range(stage_range)
                 try:
-                    slot = self.buffers.pack(step, layout, host_ids, rows)
+                    slot = self.buffers.pack(step, layout, host_ids, rows, host_positions)
                 finally:
                     domain.pop_range()
                 domain.push_range(copy_range)
@@ -391,6 +397,28 @@ def _check_input_ids(input_ids: Any, num_tokens: int, device: torch.device):
         raise ValueError(f"input_ids must be {num_tokens} integers (the step's tokens), got shape {ids.shape} "
                          f"dtype {ids.dtype}")
     return ids, None
+
+
+def _check_positions(positions: Any, num_tokens: int, cfg: RuntimeConfig) -> np.ndarray | None:
+    """Given positions as a [position_rows, num_tokens] int array (None when not given),
+    after checking where they are, their shape, type and range."""
+    if positions is None:
+        return None
+    if isinstance(positions, torch.Tensor):
+        if positions.device.type != "cpu":
+            raise ValueError(f"positions is on {positions.device}: positions are host ints that travel in the step's "
+                             f"one pinned copy")
+        positions = positions.numpy()
+    pos = np.asarray(positions)
+    rows = cfg.position_rows
+    if pos.ndim == 1 and rows == 1:
+        pos = pos[None]
+    if pos.dtype.kind not in "iu" or pos.shape != (rows, num_tokens):
+        raise ValueError(f"positions must be ints of shape [{rows}, {num_tokens}] (RuntimeConfig.position_rows, the "
+                         f"step's tokens), got shape {pos.shape} dtype {pos.dtype}")
+    if pos.size and (pos.min() < 0 or pos.max() >= 2 ** 31):
+        raise ValueError(f"positions must be in [0, 2**31), got {pos.min()}..{pos.max()}")
+    return pos
 
 
 def _check_embeds(embeds: Any, embed_rows: Any, num_tokens: int, cfg: RuntimeConfig,

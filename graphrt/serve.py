@@ -1,10 +1,12 @@
 """A small continuous-batching loop over a Runtime, for the demo and the adapter tests.
 
 Requests join at different steps; each step takes every decode plus prefill chunks within a
-token budget. A chunk never ends inside an image (a prefix range may only use keys that are
-in the cache after the step, so an image is prefilled whole, in one chunk), a sequence
-carries the ranges of the images it has complete, and the image tokens in a chunk bring
-their embeddings through ``Runtime.step(embeds=, embed_rows=)``.
+token budget. A chunk never ends inside a prefix range (a range may only use keys that are
+in the cache after the step, so an image in a range is prefilled whole, in one chunk), a
+sequence carries the ranges it has complete, the image tokens in a chunk bring their
+embeddings through ``Runtime.step(embeds=, embed_rows=)``, and where a request has
+positions of its own (multimodal RoPE) they travel with the step (``positions=``). A
+finished request's blocks go back to the free list.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -37,9 +40,16 @@ class Request:
     arrival: int                          # step at which it joins
     prompt: list[int]
     new_tokens: int                       # tokens to generate
-    ranges: list[tuple[int, int]] = field(default_factory=list)   # image tokens, half-open positions
-    features: torch.Tensor | None = None  # [sum of range lengths, E] embeddings of the ranges' tokens, in order
+    ranges: list[tuple[int, int]] = field(default_factory=list)   # prefix ranges, half-open positions
+    # half-open runs of image tokens whose embeddings ``features`` holds (default: ``ranges``)
+    images: list[tuple[int, int]] | None = None
+    features: torch.Tensor | None = None  # [sum of image lengths, E] embeddings of the images' tokens, in order
     pixels: torch.Tensor | None = None    # the images the features came from (for a reference forward)
+    image_grid_thw: torch.Tensor | None = None   # [images, 3] their patch grids, where the model takes them
+    # [P, len(prompt)] positions of the prompt's tokens where they are not 0, 1, ... (None:
+    # those); a generated token at sequence position p takes p + position_delta in every row
+    positions: np.ndarray | None = None
+    position_delta: int = 0
     blocks: list[int] = field(default_factory=list)
     cached: int = 0                       # tokens in the KV cache
     generated: list[int] = field(default_factory=list)
@@ -50,9 +60,11 @@ class Request:
         return len(self.generated) >= self.new_tokens
 
 
-def schedule(running: list[Request], chunk: int, block_size: int, free_blocks: list[int]):
-    """This step's (SeqSteps, token ids, owners, embeds or None, embed rows)."""
-    budget, seqs, ids, owners, embeds, rows = chunk, [], [], [], [], []
+def schedule(running: list[Request], chunk: int, block_size: int, free_blocks: list[int], position_rows: int = 1):
+    """This step's (SeqSteps, token ids, owners, embeds or None, embed rows, positions or
+    None: [position_rows, tokens] where a request has positions of its own)."""
+    budget, seqs, ids, owners, embeds, rows, positions = chunk, [], [], [], [], [], []
+    own_positions = False
     for r in running:
         prefilling = r.cached < len(r.prompt)
         n = next_chunk(r.cached, budget, len(r.prompt), r.ranges) if prefilling else 0
@@ -62,17 +74,25 @@ def schedule(running: list[Request], chunk: int, block_size: int, free_blocks: l
         ids += r.prompt[r.cached: r.cached + n] if n else [r.generated[-1]]
         budget = max(budget - n, 0)
         row = 0
-        for start, end in r.ranges:       # images inside this chunk bring their embeddings
-            if r.features is not None and r.cached <= start and end <= r.cached + n:
-                embeds.append(r.features[row: row + end - start])
-                rows += range(first + start - r.cached, first + end - r.cached)
+        for start, end in (r.ranges if r.images is None else r.images):   # the chunk's image tokens bring
+            lo, hi = max(start, r.cached), min(end, r.cached + n)          # their embeddings
+            if r.features is not None and lo < hi:
+                embeds.append(r.features[row + lo - start: row + hi - start])
+                rows += range(first + lo - r.cached, first + hi - r.cached)
             row += end - start
+        if n and r.positions is not None:
+            positions.append(np.asarray(r.positions)[:, r.cached: r.cached + n])
+        else:
+            positions.append(np.full((position_rows, q_len), 0, np.int64)
+                             + np.arange(r.cached, r.cached + q_len) + (0 if n else r.position_delta))
+        own_positions |= r.positions is not None or r.position_delta != 0
         while len(r.blocks) * block_size < r.cached + q_len:
             r.blocks.append(free_blocks.pop())
         seen = [rg for rg in r.ranges if rg[1] <= r.cached + q_len]
         seqs.append(SeqStep(q_len=q_len, context_len=r.cached, block_ids=list(r.blocks), prefix_ranges=seen))
         owners.append(r)
-    return seqs, ids, owners, (torch.cat(embeds) if embeds else None), rows
+    return (seqs, ids, owners, (torch.cat(embeds) if embeds else None), rows,
+            np.concatenate(positions, axis=1) if own_positions else None)
 
 
 def serve(rt, requests: list[Request], *, chunk: int, free_blocks: list[int], never: Sequence[int] | torch.Tensor = (),
@@ -86,12 +106,14 @@ def serve(rt, requests: list[Request], *, chunk: int, free_blocks: list[int], ne
     while not all(r.done for r in requests):
         running = [r for r in requests if r.arrival <= step_no and not r.done]
         step_no += 1
-        seqs, ids, owners, embeds, rows = schedule(running, chunk, rt.cfg.block_size, free_blocks)
+        seqs, ids, owners, embeds, rows, positions = schedule(running, chunk, rt.cfg.block_size, free_blocks,
+                                                              rt.cfg.position_rows)
         if not seqs:
             continue
         step = Step(seqs)
         with record_function("graphrt_step"):          # what a profile of the loop counts as the step
-            out = rt.step(step, ids, embeds=embeds, embed_rows=rows if embeds is not None else None)
+            out = rt.step(step, ids, embeds=embeds, embed_rows=rows if embeds is not None else None,
+                          positions=positions)
         logits = (out[-1] if isinstance(out, tuple) else out)[: step.num_seqs].float().clone()
         tokens = logits.index_fill(1, banned, float("-inf")).argmax(-1).tolist()   # the loop's own read-back
         steps += 1
@@ -100,6 +122,8 @@ def serve(rt, requests: list[Request], *, chunk: int, free_blocks: list[int], ne
             if r.cached >= len(r.prompt):
                 r.logits.append((r.cached - 1, logits[i]))
                 r.generated.append(int(tokens[i]))
+                if r.done:                # its blocks serve the requests still to come
+                    free_blocks.extend(reversed(r.blocks))
         if on_step:
             on_step(step_no, step, owners)
     return steps
