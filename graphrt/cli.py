@@ -33,8 +33,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="prefill tokens per step (chunked prefill; default 32, 12 with --model)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--model", default="toy",
-                      help="toy (graphrt's own), or a tiny random transformers model through the adapter: "
-                           "llama, mistral, gemma2, gemma3-text, gemma3 (needs the transformers extra)")
+                      help="toy (graphrt's own), or a tiny random transformers model through the adapter, "
+                           "one of graphrt.integrations.tiny.KINDS: llama, qwen3, granite, gpt-neox, gemma3 "
+                           "(images), paligemma (prefix-LM), qwen2-vl (multimodal RoPE), ... (needs the "
+                           "transformers extra)")
     bench = sub.add_parser("bench", help="benchmarks: JSON and PNG under benchmarks/results/<gpu or cpu>/")
     bench.add_argument("which", nargs="*", default=[], help="step, kernels, runtime, capture, soak, parallel (default: all)")
     bench.add_argument("--quick", action="store_true", help="tiny sizes; on CPU always")

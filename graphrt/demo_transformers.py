@@ -1,9 +1,11 @@
 """``graphrt demo --model KIND``: a tiny random-weight transformers model (one of
-``graphrt.integrations.tiny.KINDS``) served through the adapter: its own layers and
-weights, graphrt attention and paged cache, requests joining at different steps, chunked
-prefill that never cuts an image, and for "gemma3" two images whose vision-tower
-embeddings enter the steps through ``Runtime.step(embeds=, embed_rows=)``. Every sampled
-position's logits are checked against transformers' own forward over the whole sequence."""
+``graphrt.integrations.tiny.KINDS``) served through the adapter: its own layers, weights
+and head, graphrt attention and paged cache, requests joining at different steps, chunked
+prefill that never cuts a prefix range, and where the family takes images (gemma3,
+paligemma, qwen2-vl) their vision-tower embeddings entering the steps through
+``Runtime.step(embeds=, embed_rows=)``, with multimodal-RoPE positions in the step's one
+copy for qwen2-vl. Every sampled position's logits are checked against transformers' own
+forward over the whole sequence."""
 
 from __future__ import annotations
 
@@ -18,37 +20,34 @@ def run_transformers_demo(*, kind: str, device: str, chunk: int, seed: int) -> i
     import transformers
     from torch.profiler import ProfilerActivity, profile
 
-    from graphrt.integrations.tiny import BOI, EOI, IMAGE, logit_error, make_requests, tiny_model
+    from graphrt.integrations.tiny import BOI, EOI, FAMILIES, IMAGE, KINDS, VIDEO, logit_error, make_requests, tiny_model
     from graphrt.integrations.transformers import TransformersModel
     from graphrt.profiling import count_transfers
     from graphrt.runtime import Runtime
     from graphrt.serve import serve
 
+    if kind not in FAMILIES:
+        raise SystemExit(f"graphrt demo: --model must be toy or one of {', '.join(KINDS)}; got {kind!r}")
     on_gpu = device == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     rng = np.random.default_rng(seed)
-    hf = tiny_model(kind, seed).to(device=device, dtype=dtype).eval()
+    hf = tiny_model(kind, seed).to(device=device, dtype=dtype)
     model = TransformersModel(hf)
-    cfg = model.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=max(chunk, 18) + 4,
+    # a prefix-LM's whole prompt (image included) is one range: prefilled in one chunk
+    cfg = model.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=max(chunk, 32) + 4,
                                max_model_len=128, max_prefix_ranges=2)
     rt = Runtime(cfg, model, num_layers=model.num_layers, device=device, strict=on_gpu)
-    text = model.text_config
-    layers = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    window = getattr(text, "sliding_window", None)
-    print(f"graphrt demo --model {kind}: transformers {transformers.__version__} {type(hf).__name__}, "
-          f"{text.num_hidden_layers} layers ({', '.join(sorted(set(layers)))}), heads "
-          f"{cfg.num_q_heads}/{cfg.num_kv_heads}, head_dim {cfg.head_dim}, {dtype}, on {device}")
-    print(f"  attention settings from the model: sliding window {window}, "
-          f"scale {getattr(text, 'query_pre_attn_scalar', cfg.head_dim)}^-1/2, "
-          f"logit soft-cap {getattr(text, 'attn_logit_softcapping', None)}, "
-          f"final soft-cap {getattr(text, 'final_logit_softcapping', None)}; image ranges: "
-          f"window_rule={model.mask.window_rule!r}, on global layers: {model.mask.global_ranges}")
+    family = FAMILIES[kind]
+    print(f"graphrt demo --model {kind}: transformers {transformers.__version__} {type(hf).__name__} "
+          f"({family.exercises}), {model.num_layers} layers, {dtype}, on {device}")
+    for line in model.describe().splitlines():
+        print(f"  {line}")
     if on_gpu:
         t0 = time.perf_counter()
         graphs = rt.capture(quiet=True)
         print(f"  {len(graphs)} graphs captured in {time.perf_counter() - t0:.1f} s")
-    reqs = make_requests(rng, model, images=kind == "gemma3", device=device)
-    never = torch.tensor([BOI, EOI, IMAGE], device=device)
+    reqs = make_requests(rng, model, kind=kind, device=device)
+    never = torch.tensor([BOI, EOI, IMAGE, VIDEO], device=device)
     buckets: dict[str, int] = {}
 
     def show(step_no, step, owners):
@@ -73,5 +72,7 @@ def run_transformers_demo(*, kind: str, device: str, chunk: int, seed: int) -> i
     print(f"  logits vs transformers' own forward, worst error / max |logit|: {worst:.2e} "
           f"({'ok' if worst < tol else 'TOO LARGE'}, tolerance {tol:g})")
     for r in reqs:
-        print(f"  request {r.rid}: prompt {len(r.prompt)} tokens, images at {r.ranges}, generated {r.generated}")
+        images = f", images at {r.images}" if r.features is not None else ""
+        print(f"  request {r.rid}: prompt {len(r.prompt)} tokens{images}, ranges {r.ranges}, "
+              f"generated {r.generated}")
     return 0 if ok else 1

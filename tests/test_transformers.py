@@ -1,8 +1,10 @@
-"""The transformers adapter against transformers' own forward: tiny random models built in
-code (no downloads), a multi-step serving loop (chunked prefill, decodes, requests joining
-and finishing at different steps, images as prefix ranges with their embeddings given per
-step), each sampled position's logits compared with the library's forward over the full
-sequence. CPU: fp32 through the interpreter. GPU: every step a graph replay, bf16/fp16."""
+"""The transformers adapter against transformers' own forward, family by family: tiny random
+models built in code (no downloads, graphrt.integrations.tiny), a multi-step serving loop
+(chunked prefill beside other requests' decodes, requests joining and finishing at
+different steps, blocks reused, images as prefix ranges or with multimodal-RoPE positions,
+their embeddings given per step), each sampled position's logits compared with the
+library's forward over the full sequence, the model running its own attention. CPU: fp32
+through the interpreter. GPU: every step a graph replay, bf16/fp16."""
 
 from __future__ import annotations
 
@@ -13,59 +15,190 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from _cases import fresh_seed  # noqa: E402
-from graphrt import Runtime  # noqa: E402
-from graphrt.integrations.tiny import BOI, EOI, IMAGE, KINDS, VOCAB, logit_error, make_requests, tiny_model  # noqa: E402
-from graphrt.integrations.transformers import TransformersModel  # noqa: E402
+from graphrt import Runtime, SeqStep, Step  # noqa: E402
+from graphrt.integrations.tiny import (BOI, EOI, FAMILIES, IMAGE, KINDS, VIDEO, VOCAB, logit_error,  # noqa: E402
+                                       make_requests, tiny_model)
+from graphrt.integrations.transformers import MaskSettings, TransformersModel  # noqa: E402
 from graphrt.serve import serve  # noqa: E402
 
+NEVER = (BOI, EOI, IMAGE, VIDEO)
 
-def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk: int = 12) -> float:
-    """Worst |graphrt - transformers| / max |logit| over every sampled position."""
+
+def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk: int = 12, mask=None,
+                    alter=None, profile: bool = False):
+    """Worst |graphrt - transformers| / max |logit| over every sampled position (and, with
+    ``profile``, the step count and the profiler's transfer counts)."""
     rng = np.random.default_rng(seed)
-    hf = tiny_model(kind, seed).to(device=device, dtype=dtype).eval()
-    model = TransformersModel(hf)
+    hf = tiny_model(kind, seed).to(device=device, dtype=dtype)
+    model = TransformersModel(hf, mask=mask)
     cfg = model.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=48, max_model_len=128,
                                max_prefix_ranges=2)
     rt = Runtime(cfg, model, num_layers=model.num_layers, device=device, strict=capture)
     if capture:
         rt.capture(decode_buckets=[1, 2, 4], mixed_buckets=[16, 48], quiet=True)
-    reqs = make_requests(rng, model, images=kind == "gemma3", device=device)
+    reqs = make_requests(rng, model, kind=kind, device=device)
+    if alter:
+        alter(reqs)
     modes = []
-    serve(rt, reqs, chunk=chunk, free_blocks=rng.permutation(cfg.num_blocks).tolist(), never=(BOI, EOI, IMAGE),
-          on_step=lambda *_: modes.append(rt.last.mode))
+    never = torch.tensor(NEVER, device=device)
+
+    def loop():
+        return serve(rt, reqs, chunk=chunk, free_blocks=rng.permutation(cfg.num_blocks).tolist(), never=never,
+                     on_step=lambda *_: modes.append(rt.last.mode))
+
+    seen = steps = None
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        from graphrt.profiling import count_transfers
+
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            steps = loop()
+            torch.cuda.synchronize()
+        seen = count_transfers(prof, "graphrt_step")
+    else:
+        loop()
     if capture:
         assert set(modes) == {"replay"}, f"steps ran {modes}"
-    return logit_error(hf, reqs, device)
+    worst = logit_error(hf, reqs, device)
+    return (worst, steps, seen) if profile else worst
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_adapter_matches_transformers_cpu(kind, device):
+def test_family_matches_transformers_cpu(kind, device):
     if device.type == "cuda":
         pytest.skip("the GPU test below runs the same loop from graphs")
     seed = fresh_seed()
     worst = run_and_compare(kind, device, torch.float32, capture=False, seed=seed)
-    print(f"{kind}: worst logit error / max |logit| = {worst:.2e}")
+    print(f"{kind} ({FAMILIES[kind].cls}): worst logit error / max |logit| = {worst:.2e}")
     assert worst < 1e-5, f"{kind}: logits off by {worst:.2e} of max |logit| (seed={seed})"
 
 
-@pytest.mark.parametrize("rule,global_ranges", [("ranges_unclipped", True), ("clip", False)],
-                         ids=["ranges-unclipped", "global-layers-causal"])
-def test_gemma3_other_mask_settings_are_caught(monkeypatch, device, rule, global_ranges):
-    """The check above tells mask settings apart: with images longer than the sliding
-    window, the rule older transformers and vLLM used (ranges past the window), or
-    Gemma4's causal-only global layers, put Gemma3's logits off by ~1e-2 (2e-2..6e-2 seen)."""
-    from graphrt.integrations import transformers as adapter
+def _default_positions(reqs):
+    for r in reqs:
+        r.positions, r.position_delta = None, 0
 
-    monkeypatch.setitem(adapter.MASK_SETTINGS, "gemma3", adapter.MaskSettings(rule, global_ranges))
+
+def _images_only(reqs):
+    for r in reqs:
+        r.ranges = list(r.images)
+
+
+@pytest.mark.parametrize("kind,settings,alter", [
+    ("gemma3", MaskSettings("ranges_unclipped", True), None),
+    ("gemma3", MaskSettings("clip", False), None),
+    ("paligemma", None, _images_only),
+    ("qwen2-vl", None, _default_positions),
+], ids=["gemma3-ranges-unclipped", "gemma3-global-layers-causal", "paligemma-images-only", "qwen2-vl-1d-positions"])
+def test_wrong_settings_are_caught(device, kind, settings, alter):
+    """The check above tells the families' mask and position schemes apart: Gemma3 under
+    the rule older transformers and vLLM used (ranges past the window) or with Gemma4's
+    causal-only global layers, PaliGemma with only its image bidirectional (not the whole
+    prompt), Qwen2-VL with plain 1-D positions: each is off by far more than the tolerance."""
     seed = fresh_seed()
-    worst = run_and_compare("gemma3", device, torch.float32, capture=False, seed=seed)
-    assert worst > 1e-3, f"wrong mask settings went unnoticed: {worst:.2e} (seed={seed})"
+    worst = run_and_compare(kind, device, torch.float32, capture=False, seed=seed, mask=settings, alter=alter)
+    assert worst > 1e-3, f"wrong settings went unnoticed: {worst:.2e} (seed={seed})"
+
+
+def test_model_left_as_it_was(device):
+    """Wrapping does not change the user's model: after graphrt steps its own forward gives
+    the same logits as before wrapping, and generate still runs, with its own attention."""
+    seed = fresh_seed()
+    hf = tiny_model("llama", seed).to(device)
+    ids = torch.tensor([[3, 14, 15, 92 % VOCAB, 6, 5]], device=device)
+    before_impl = hf.config._attn_implementation
+    with torch.no_grad():
+        before = hf(input_ids=ids).logits
+    before_gen = hf.generate(ids, max_new_tokens=3, do_sample=False)
+    model = TransformersModel(hf)
+    cfg = model.runtime_config(block_size=16, num_blocks=8, max_num_seqs=2, max_num_tokens=16, max_model_len=64,
+                               max_prefix_ranges=1)
+    rt = Runtime(cfg, model, num_layers=model.num_layers, device=device)
+    rt.step(Step([SeqStep(q_len=6, context_len=0, block_ids=[1])]), ids[0].tolist())
+    with torch.no_grad():
+        after = hf(input_ids=ids).logits
+    assert hf.config._attn_implementation == before_impl
+    assert torch.equal(before, after), f"the model's own forward changed by {(before - after).abs().max():.2e}"
+    assert torch.equal(hf.generate(ids, max_new_tokens=3, do_sample=False), before_gen)
+
+
+def _falcon_alibi():
+    return transformers.FalconForCausalLM(transformers.FalconConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, alibi=True, vocab_size=VOCAB))
+
+
+def _dynamic_rope():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)))
+
+
+def _jamba():            # a state-space layer, then an attention layer
+    return transformers.JambaForCausalLM(transformers.JambaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=2, mamba_d_state=4, mamba_expand=1, mamba_dt_rank=4, use_mamba_kernels=False, pad_token_id=0))
+
+
+def _gpt_oss():          # attention sinks
+    return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=2, pad_token_id=0))
+
+
+def _mamba():
+    return transformers.MambaForCausalLM(transformers.MambaConfig(num_hidden_layers=2, hidden_size=64,
+                                                                  vocab_size=VOCAB, state_size=4))
+
+
+@pytest.mark.parametrize("build,reason", [
+    (_falcon_alibi, "ALiBi"),
+    (_dynamic_rope, "dynamic"),
+    (_jamba, r"decoder layers there once; the layers that came were \[1\]"),
+    (_gpt_oss, r"attention arguments graphrt does not implement: \['s_aux'\]"),
+    (_mamba, r"takes no \['position_ids'\]"),
+], ids=["falcon-alibi", "dynamic-rope", "jamba-state-space-layer", "gpt-oss-sinks", "mamba"])
+def test_refused_at_construction_with_the_reason(build, reason):
+    with pytest.raises(ValueError, match=reason):
+        TransformersModel(build().eval())
+
+
+def test_image_and_prefix_ranges():
+    gemma3 = TransformersModel(tiny_model("gemma3", 0))
+    ids = [1, BOI, IMAGE, IMAGE, EOI, IMAGE, 2, IMAGE]
+    assert gemma3.image_ranges(ids) == gemma3.prefix_ranges(ids) == [(2, 4), (5, 6), (7, 8)]
+    pali = TransformersModel(tiny_model("paligemma", 0))
+    prompt = [IMAGE] * 16 + [2, 7, 8]
+    assert pali.image_ranges(prompt) == [(0, 16)] and pali.prefix_ranges(prompt) == [(0, 19)]
+    qwen = TransformersModel(tiny_model("qwen2-vl", 0))
+    prompt = [4, BOI] + [IMAGE] * 16 + [EOI, 5]
+    assert qwen.image_ranges(prompt) == [(2, 18)] and qwen.prefix_ranges(prompt) == []
+
+
+def test_prompt_positions():
+    """Multimodal RoPE positions of a prompt: text numbered on, each image a grid at one
+    time step whose height and width rows count its merged patches, the text after it from
+    the image's largest position + 1; delta makes generated tokens continue from there."""
+    qwen = TransformersModel(tiny_model("qwen2-vl", 0))
+    prompt = [4, BOI] + [IMAGE] * 16 + [EOI, 5]
+    pos, delta = qwen.prompt_positions(prompt, image_grid_thw=torch.tensor([[1, 8, 8]]))
+    grid = np.arange(4)
+    want = np.concatenate([np.tile(np.arange(2), (3, 1)),
+                           np.stack([np.full(16, 2), 2 + np.repeat(grid, 4), 2 + np.tile(grid, 4)]),
+                           np.tile(np.arange(6, 8), (3, 1))], axis=1)
+    np.testing.assert_array_equal(pos, want)
+    assert delta == 8 - len(prompt)
+    text, delta = qwen.prompt_positions([4, 5, 6])
+    np.testing.assert_array_equal(text, np.tile(np.arange(3), (3, 1)))
+    assert delta == 0
+    assert TransformersModel(tiny_model("llama", 0)).prompt_positions([1, 2]) == (None, 0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_adapter_matches_transformers_replayed(kind, dtype):
+def test_family_matches_transformers_replayed(kind, dtype):
     seed = fresh_seed()
     worst = run_and_compare(kind, torch.device("cuda"), dtype, capture=True, seed=seed)
     print(f"{kind} {dtype}: worst logit error / max |logit| = {worst:.2e}")
@@ -73,44 +206,15 @@ def test_adapter_matches_transformers_replayed(kind, dtype):
 
 
 @pytest.mark.gpu
-def test_adapter_steps_are_one_pinned_copy_and_no_sync():
-    """Gemma3 with images, every step a replay: the profiler sees one pinned host-to-device
-    copy per step, no pageable one, and no host sync inside any step (strict mode too)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from graphrt.profiling import count_transfers
-
+@pytest.mark.parametrize("kind", ["gemma3", "paligemma", "qwen2-vl"])
+def test_steps_are_one_pinned_copy_and_no_sync(kind):
+    """Images in the prompt, every step a replay (strict mode): the profiler sees one pinned
+    host-to-device copy per step (the positions rows of multimodal RoPE inside it), no
+    pageable one and no host sync inside any step."""
     seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    device = torch.device("cuda")
-    model = TransformersModel(tiny_model("gemma3", seed).to(device=device, dtype=torch.bfloat16).eval())
-    cfg = model.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=48, max_model_len=128,
-                               max_prefix_ranges=2)
-    rt = Runtime(cfg, model, num_layers=model.num_layers, device=device, strict=True)
-    rt.capture(decode_buckets=[1, 2, 4], mixed_buckets=[16, 48], quiet=True)
-    reqs = make_requests(rng, model, images=True, device=device)
-    never = torch.tensor([BOI, EOI, IMAGE], device=device)
-    modes = []
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        steps = serve(rt, reqs, chunk=12, free_blocks=rng.permutation(cfg.num_blocks).tolist(), never=never,
-                      on_step=lambda *_: modes.append(rt.last.mode))
-        torch.cuda.synchronize()
-    seen = count_transfers(prof, "graphrt_step")
-    assert set(modes) == {"replay"} and seen.regions == steps
+    worst, steps, seen = run_and_compare(kind, torch.device("cuda"), torch.bfloat16, capture=True, seed=seed,
+                                         profile=True)
+    assert seen.regions == steps
     assert seen.h2d_pinned == steps, f"{seen.h2d_pinned} pinned HtoD copies over {steps} steps"
     assert seen.h2d_pageable == 0 and seen.syncs == 0, f"{seen.h2d_pageable} pageable copies, {seen.syncs} syncs"
-
-
-def test_dynamic_rope_is_refused():
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                   rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
-    with pytest.raises(ValueError, match="dynamic"):
-        TransformersModel(transformers.LlamaForCausalLM(cfg))
-
-
-def test_image_ranges():
-    model = TransformersModel(tiny_model("gemma3", 0))
-    ids = [1, BOI, IMAGE, IMAGE, EOI, IMAGE, 2, IMAGE]
-    assert model.image_ranges(ids) == [(2, 4), (5, 6), (7, 8)]
+    assert worst < 5e-2, f"{kind}: off by {worst:.2e} (seed={seed})"

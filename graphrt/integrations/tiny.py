@@ -120,6 +120,13 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family("SmolLM3ForCausalLM", "a layer without RoPE, sliding layers", None, _lm(
         "SmolLM3", num_hidden_layers=3, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=6,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], **_COMMON)),
+    "gpt2": Family("GPT2LMHeadModel", "learned absolute positions, Conv1D projections, multi-head", None,
+                   lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                       n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=512))),
+    "opt": Family("OPTForCausalLM", "learned positions offset by 2, ReLU MLP", None,
+                  lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+                      num_hidden_layers=2, hidden_size=64, num_attention_heads=4, ffn_dim=96, vocab_size=VOCAB,
+                      word_embed_proj_dim=64, max_position_embeddings=512, pad_token_id=1))),
     "gemma": Family("GemmaForCausalLM", "scaled embeddings, (1 + w) norms, GeGLU", None,
                     _lm("Gemma", num_hidden_layers=2, head_dim=32, **_COMMON)),
     "gemma2": Family("Gemma2ForCausalLM", "attention and final logit soft-caps, query_pre_attn_scalar, sliding "

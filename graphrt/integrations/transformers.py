@@ -196,6 +196,9 @@ class TransformersModel(nn.Module):
             raise ValueError(f"RoPE type {sorted(kinds & set(_DYNAMIC_ROPE))} updates its tables from a host read of "
                              f"the largest position on every call, which a CUDA graph cannot hold; graphrt runs "
                              f"default, linear, llama3, yarn and multimodal RoPE")
+        if getattr(self.text_config, "alibi", False) or getattr(self.text_config, "position_embedding_type", "") == "alibi":
+            raise ValueError("ALiBi models add their position bias to the attention mask, which graphrt's kernels do "
+                             "not take (they build the mask from the step's metadata)")
         if getattr(self.text_config, "use_bidirectional_attention", None) is True and not self.mask.prefix_lm:
             raise ValueError("text models with bidirectional attention everywhere are not causal decoders")
 
@@ -216,8 +219,14 @@ class TransformersModel(nn.Module):
         if self.position_rows > 1:
             positions = positions.expand(self.position_rows, -1)
         last = torch.tensor([1], device=device)
-        self._run(probe, self.embed_tokens(ids[None]), positions, last)
         what = f"{type(self.hf).__name__} (model_type {self.model_type!r})"
+        try:
+            self._run(probe, self.embed_tokens(ids[None]), positions, last)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from exc
+        except Exception as exc:      # the model's own code, run without a dense mask or a cache
+            raise ValueError(f"{what}: its forward failed with graphrt's attention in place (no dense mask, no "
+                             f"cache object): {type(exc).__name__}: {exc}") from exc
         layers = self.text_config.num_hidden_layers
         if sorted(probe.calls) != list(range(layers)) or probe.repeated:
             raise ValueError(f"{what}: graphrt takes over attention through transformers' AttentionInterface, and "
