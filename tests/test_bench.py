@@ -13,7 +13,9 @@ REQUIRED = {"step": {"impl", "layers", "batch", "host_us", "wall_us"},
             "capture": {"impl", "ms", "cache"},
             "host": {"impl", "layers", "batch", "from_arrays_us", "validate_us", "pack_us", "copy_us", "step_us"},
             "soak": {"impl", "steps", "checked", "mismatches", "host_us", "host_us_windows"},
-            "parallel": {"impl", "ranks", "batch", "wall_us", "host_us", "speedup_vs_1"}}
+            "parallel": {"impl", "ranks", "batch", "wall_us", "host_us", "speedup_vs_1"},
+            "model": {"model", "batch", "prompt", "graphrt_ms", "hf_eager_ms", "floor_ms", "first_token_ms",
+                      "tokens_agree"}}
 
 
 @pytest.mark.parametrize("name", sorted(REQUIRED))
@@ -39,6 +41,9 @@ def test_bench_quick(name, tmp_path):
                                                   "CUDNN_ATTENTION", "OVERRIDEABLE"} for r in sdpa), sdpa
     if name == "runtime":
         assert 1 in {r["layers"] for r in data["rows"]}, "no one-layer row"
+    if name == "model":        # graphrt's greedy tokens are transformers' on every new token (fp32, tiny models)
+        assert {r["model"] for r in data["rows"]} == {"llama-tiny", "gemma3-tiny"}
+        assert all(r["tokens_agree"] == r["new_tokens"] for r in data["rows"]), data["rows"]
     if name == "step":
         assert {r["impl"] for r in data["rows"]} >= {"per_layer_rebuild", "per_step_rebuild", "graphrt_eager"}
 

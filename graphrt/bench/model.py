@@ -1,0 +1,366 @@
+"""A real decoder end to end: ``TransformersModel`` on a captured ``Runtime`` against
+transformers' own ``generate`` (eager, and with its static cache compiled), same weights and
+prompts, in one process.
+
+Models (random bf16 weights built on the GPU from a config, no downloads): a
+Llama-3.2-1B-shaped decoder (16 layers, hidden 2048, 32/8 heads of 64, vocabulary 128256,
+tied head), a Llama-3.1-8B-shaped one (32 layers, hidden 4096, 32/8 heads of 128), and a
+Gemma3-4B-shaped multimodal one (34 layers, hidden 2560, 8/4 heads of 256, sliding layers,
+one 256-token image in every prompt, its embeddings from a small SigLIP tower).
+
+Per cell (model, batch, prompt length; 128 new tokens): graphrt's ms per decoded token in a
+loop whose next ids stay on the device (``Runtime.step(step, device_ids)``), its time to the
+first token (the batch's prompts prefilled in chunks of the mixed bucket), the same two for
+transformers' ``generate``, and the floor: the bytes a decode step must read (every weight
+once, each sequence's KV) over the device-to-device copy bandwidth measured in the same
+run. ``attention_share``: the share of a replayed decode step's kernel time spent in
+graphrt's attention and KV-write kernels. ``tokens_agree``: of the first 8 greedy tokens,
+how many graphrt and transformers' eager generate share, from the first on (mean over the
+batch; random weights make near ties, so a late divergence is expected in bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from graphrt.bench.common import default_out, plot, time_ms, write
+
+CONFIGS = {
+    "llama-1b": dict(family="llama", num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                     tie_word_embeddings=True),
+    "llama-8b": dict(family="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                     tie_word_embeddings=False),
+    "gemma3-4b": dict(family="gemma3", num_hidden_layers=34, hidden_size=2560, intermediate_size=10240,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208,
+                      sliding_window=1024, query_pre_attn_scalar=256),
+}
+QUICK = {
+    "llama-tiny": dict(family="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=96,
+                       tie_word_embeddings=True),
+    "gemma3-tiny": dict(family="gemma3", num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=96, sliding_window=6,
+                        query_pre_attn_scalar=32),
+}
+IMAGE_TOKENS = 256
+COMPARE_TOKENS = 8
+
+
+def build(name: str, spec: dict, device, dtype):
+    """A random-weight transformers model of ``spec`` on ``device`` (weights drawn there)."""
+    import transformers
+
+    spec = dict(spec)
+    family = spec.pop("family")
+    quick = spec["hidden_size"] < 256
+    with torch.device(device):
+        if family == "llama":
+            cfg = transformers.LlamaConfig(**spec, max_position_embeddings=8192, rope_parameters=dict(
+                rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192))
+            model = transformers.LlamaForCausalLM(cfg)
+        else:
+            layers = spec["num_hidden_layers"]
+            text = transformers.Gemma3TextConfig(**spec, max_position_embeddings=32768, layer_types=[
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)])
+            tokens = 16 if quick else IMAGE_TOKENS
+            side = int(math.isqrt(tokens))
+            vision = transformers.SiglipVisionConfig(hidden_size=64 if quick else 256, intermediate_size=128,
+                                                     num_hidden_layers=1, num_attention_heads=2,
+                                                     image_size=side * 4, patch_size=4)
+            cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=tokens,
+                                            image_token_index=spec["vocab_size"] - 1,
+                                            boi_token_index=spec["vocab_size"] - 3,
+                                            eoi_token_index=spec["vocab_size"] - 2)
+            model = transformers.Gemma3ForConditionalGeneration(cfg)
+    return model.to(dtype).eval()
+
+
+def prompts(model, batch: int, length: int, seed: int):
+    """[batch, length] token ids (a multimodal model's prompts hold one image after 8 text
+    tokens) and, for it, the pixel values."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    vocab = cfg.get_text_config().vocab_size
+    ids = torch.randint(0, vocab - 8, (batch, length), generator=gen)
+    pixels = None
+    if getattr(cfg, "image_token_id", None) is not None:
+        tokens = cfg.mm_tokens_per_image
+        ids[:, 8] = cfg.boi_token_index
+        ids[:, 9: 9 + tokens] = cfg.image_token_id
+        ids[:, 9 + tokens] = cfg.eoi_token_index
+        size = cfg.vision_config.image_size
+        pixels = torch.randn(batch, 3, size, size, generator=gen)
+    return ids, pixels
+
+
+def copy_tbps(device) -> float:
+    """Device-to-device copy bandwidth, bytes read + written (graphrt.bench.kernels' ceiling)."""
+    nbytes = 1 << 30 if device.type == "cuda" else 1 << 20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / time_ms(lambda: dst.copy_(src), iters=20) / 1e9
+
+
+def decode_bytes(hf, batch: int, context: int) -> int:
+    """What one decode step of ``batch`` sequences at ``context`` tokens must read: every
+    weight of the language model once (the input embedding only where the LM head does
+    not share it: a lookup reads a row a sequence), and each sequence's K and V in every
+    layer (a sliding layer's window of them)."""
+    text = hf.config.get_text_config()
+    embed, head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for n, p in hf.named_parameters()
+                  if not any(k in n for k in ("vision", "multi_modal_projector")) and (p is not embed or p is head))
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * text.num_key_value_heads * head_dim * embed.element_size()
+    window = getattr(text, "sliding_window", None)
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    tokens = sum(min(context, window) if kind == "sliding_attention" and window else context for kind in kinds)
+    return weights + batch * tokens * per_token
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class GraphrtLoop:
+    """``TransformersModel`` on a Runtime sized for one cell: prompts prefilled in steps of
+    up to ``chunk`` tokens (several sequences a step, an image never cut), then greedy
+    decodes of the whole batch whose next ids stay on the device."""
+
+    def __init__(self, hf, batch: int, prompt: int, new_tokens: int, device, *, chunk: int):
+        from graphrt import Runtime
+        from graphrt.integrations.transformers import TransformersModel
+
+        self.lm = TransformersModel(hf)
+        self.block = 16
+        self.per_seq = -(-(prompt + new_tokens + 1) // self.block)
+        self.chunk = max(chunk, batch)
+        self.cfg = self.lm.runtime_config(block_size=self.block, num_blocks=batch * self.per_seq,
+                                          max_num_seqs=batch, max_num_tokens=self.chunk,
+                                          max_model_len=self.per_seq * self.block, max_prefix_ranges=1)
+        self.rt = Runtime(self.cfg, self.lm, num_layers=self.lm.num_layers, device=device)
+        self.batch, self.prompt, self.device = batch, prompt, device
+        self.capture_s = 0.0
+        if device.type == "cuda":
+            t0 = time.perf_counter()
+            self.rt.capture(decode_buckets=[batch], mixed_buckets=[self.chunk], quiet=True)
+            self.capture_s = time.perf_counter() - t0
+        self.table = np.arange(batch * self.per_seq).reshape(batch, self.per_seq)
+
+    def prefill(self, ids: torch.Tensor, features: list | None) -> torch.Tensor:
+        """All prompts ([batch, prompt] host ids): the first generated tokens [batch], on the
+        device, with no host sync."""
+        from graphrt import Step
+        from graphrt.serve import Request, schedule
+
+        reqs = []
+        for i, row in enumerate(ids.tolist()):
+            r = Request(rid=i, arrival=0, prompt=row, new_tokens=1, ranges=self.lm.prefix_ranges(row),
+                        images=self.lm.image_ranges(row), features=None if features is None else features[i])
+            r.blocks = self.table[i].tolist()
+            reqs.append(r)
+        self.ranges = reqs[0].ranges
+        firsts = [None] * self.batch
+        while any(r.cached < self.prompt for r in reqs):
+            running = [r for r in reqs if r.cached < self.prompt]
+            seqs, tokens, owners, embeds, rows, _ = schedule(running, self.chunk, self.block, [])
+            step = Step(seqs)
+            logits = self.rt.step(step, tokens, embeds=embeds, embed_rows=rows if embeds is not None else None)
+            for i, (r, q) in enumerate(zip(owners, step.q_lens.tolist())):
+                r.cached += q
+                if r.cached == self.prompt:
+                    firsts[r.rid] = logits[i].argmax(-1)   # a new tensor: the next replay cannot touch it
+        return torch.stack(firsts)
+
+    def decode(self, first: torch.Tensor, steps: int) -> torch.Tensor:
+        """``steps`` greedy decodes of the whole batch from ``first`` ([batch] ids on the
+        device); returns the tokens [batch, steps + 1] (first included). No host sync."""
+        from graphrt import Step
+
+        tokens, ids = [first], first
+        q = np.ones(self.batch, np.int64)
+        ranges = np.tile(np.asarray(self.ranges or [(0, 0)], np.int64)[None], (self.batch, 1, 1))
+        for i in range(steps):
+            ctx = np.full(self.batch, self.prompt + i, np.int64)
+            step = Step.from_arrays(q_lens=q, context_lens=ctx, block_table=self.table, prefix_ranges=ranges)
+            ids = self.rt.step(step, ids)[: self.batch].argmax(-1)
+            tokens.append(ids)
+        return torch.stack(tokens, 1)
+
+
+def hf_generate(hf, ids, pixels, new_tokens: int, static: bool) -> torch.Tensor:
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if pixels is not None:
+        kwargs.update(pixel_values=pixels, token_type_ids=(ids == hf.config.image_token_id).long())
+    if static:
+        kwargs["cache_implementation"] = "static"
+    with torch.no_grad():
+        return hf.generate(ids, **kwargs)[:, ids.shape[1]:]
+
+
+def timed(fn, device) -> tuple[float, object]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return 1e3 * (time.perf_counter() - t0), out
+
+
+def attention_share(loop: GraphrtLoop, first: torch.Tensor) -> float | None:
+    """Share of one replayed decode step's kernel time in graphrt's attention/KV kernels."""
+    if loop.device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    loop.decode(first, 2)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        loop.decode(first, 4)
+        torch.cuda.synchronize()
+    total = attn = 0.0
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.self_device_time_total
+            total += us
+            attn += us if any(k in e.key for k in ("_attn_kernel", "_merge_kernel", "_kv_write")) else 0.0
+    return attn / total if total else None
+
+
+def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, seed) -> dict:
+    ids, pixels = prompts(hf, batch, prompt, seed)
+    dev_ids = ids.to(device)
+    dev_pixels = None if pixels is None else pixels.to(device=device, dtype=hf.dtype)
+    row = dict(bench="model", model=name, batch=batch, prompt=prompt, new_tokens=new_tokens)
+    loop = GraphrtLoop(hf, batch, prompt, new_tokens, device, chunk=chunk)
+    features = None
+    if dev_pixels is not None:
+        features = [loop.lm.image_features(dev_pixels[i: i + 1]) for i in range(batch)]
+    loop.prefill(ids, features)                                   # warm-up (and the eager compiles)
+    row["first_token_ms"], first = timed(lambda: loop.prefill(ids, features), device)
+    loop.decode(first, 4)
+    decode_ms, tokens = timed(lambda: loop.decode(first, new_tokens - 1), device)
+    row["graphrt_ms"] = decode_ms / (new_tokens - 1)
+    row["capture_s"] = loop.capture_s
+    row["attention_share"] = attention_share(loop, first)
+    graphrt_tokens = tokens[:, :COMPARE_TOKENS].cpu()
+    del loop
+    gc.collect()
+    for mode in hf_modes:
+        static = mode == "static"
+        hf_generate(hf, dev_ids, dev_pixels, 2, static)           # warm-up (compiles, with a static cache)
+        first_ms, _ = timed(lambda: hf_generate(hf, dev_ids, dev_pixels, 1, static), device)
+        total_ms, out = timed(lambda: hf_generate(hf, dev_ids, dev_pixels, new_tokens, static), device)
+        row[f"hf_{mode}_ms"] = (total_ms - first_ms) / (new_tokens - 1)
+        row[f"hf_{mode}_first_token_ms"] = first_ms
+        if mode == "eager":
+            want = out[:, :COMPARE_TOKENS].cpu()
+            same = (graphrt_tokens == want).int().cumprod(1).sum(1).float()
+            row["tokens_agree"] = float(same.mean())
+    return row
+
+
+def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: list[int] | None = None,
+        prompt_lens: list[int] | None = None, new_tokens: int | None = None, hf_modes: list[str] | None = None,
+        quiet: bool = False) -> list[dict]:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    small = quick or not cuda
+    specs = QUICK if small else CONFIGS
+    models = models or list(specs)
+    batches = batches or ([1, 2] if small else [1, 8, 32, 128])
+    prompt_lens = prompt_lens or ([32] if small else [512, 4096])
+    new_tokens = new_tokens or (4 if small else 128)
+    hf_modes = hf_modes if hf_modes is not None else (["eager"] if small else ["eager", "static"])
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tbps = copy_tbps(device)
+    rows = []
+    for name in models:
+        hf = build(name, specs[name], device, dtype)
+        for prompt in prompt_lens:
+            for batch in batches:
+                try:
+                    row = run_cell(name, hf, batch, prompt, new_tokens, device, chunk=64 if small else 4096,
+                                   hf_modes=hf_modes, seed=batch * 7 + prompt)
+                except torch.OutOfMemoryError as exc:
+                    row = dict(bench="model", model=name, batch=batch, prompt=prompt, new_tokens=new_tokens,
+                               skipped=f"out of memory: {str(exc)[:120]}")
+                else:
+                    row["copy_tbps"] = tbps      # the floor at the decode's middle context
+                    row["floor_ms"] = decode_bytes(hf, batch, prompt + new_tokens // 2) / tbps / 1e9
+                    row["of_floor"] = row["graphrt_ms"] / row["floor_ms"]
+                    for mode in hf_modes:
+                        row[f"hf_{mode}_over_graphrt"] = row[f"hf_{mode}_ms"] / row["graphrt_ms"]
+                rows.append(row)
+                if not quiet:
+                    print(_line(row), flush=True)
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+        del hf
+        gc.collect()
+    path = write(out, "model_quick" if small else "model", rows, dict(copy_tbps=tbps))
+    if not quiet:
+        print(f"wrote {path}")
+    _plot(rows, out / ("model_quick.png" if small else "model.png"))
+    return rows
+
+
+def _line(r: dict) -> str:
+    if "skipped" in r:
+        return f"{r['model']:>10} b={r['batch']:<4d} p={r['prompt']:<5d} skipped: {r['skipped']}"
+    hf = " ".join(f"hf_{m} {r[f'hf_{m}_ms']:.2f}" for m in ("eager", "static") if f"hf_{m}_ms" in r)
+    share = r.get("attention_share")
+    return (f"{r['model']:>10} b={r['batch']:<4d} p={r['prompt']:<5d} graphrt {r['graphrt_ms']:.3f} ms/token "
+            f"(floor {r['floor_ms']:.3f}, x{r['of_floor']:.2f}) first {r['first_token_ms']:.1f} ms; {hf}; "
+            f"attention {'-' if share is None else f'{share:.2f}'}; agree {r.get('tokens_agree', '-')}")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    panels = []
+    for name in sorted({r["model"] for r in rows}):
+        for prompt in sorted({r["prompt"] for r in rows if r["model"] == name}):
+            cell = sorted((r for r in rows if r["model"] == name and r["prompt"] == prompt and "skipped" not in r),
+                          key=lambda r: r["batch"])
+            if not cell:
+                continue
+            series = {"graphrt": ([r["batch"] for r in cell], [r["graphrt_ms"] for r in cell]),
+                      "floor": ([r["batch"] for r in cell], [r["floor_ms"] for r in cell])}
+            for mode in ("eager", "static"):
+                pts = [(r["batch"], r[f"hf_{mode}_ms"]) for r in cell if f"hf_{mode}_ms" in r]
+                if pts:
+                    series[f"transformers {mode}"] = ([p[0] for p in pts], [p[1] for p in pts])
+            panels.append(dict(title=f"{name}, prompt {prompt}", xlabel="batch", ylabel="ms per decoded token",
+                               series=series, logx=True, logy=True))
+    if panels:
+        plot(path, "A decoder end to end: graphrt against transformers' generate", panels)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny models (what the CPU test runs)")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--models", default=None, help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--batches", default=None)
+    parser.add_argument("--prompts", default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--hf", default=None, help="transformers generate modes: eager,static (or none)")
+    args = parser.parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",")] if s else None
+    run(quick=args.quick, out=args.out or default_out(), models=args.models.split(",") if args.models else None,
+        batches=ints(args.batches), prompt_lens=ints(args.prompts), new_tokens=args.new_tokens,
+        hf_modes=None if args.hf is None else [m for m in args.hf.split(",") if m and m != "none"])
+
+
+if __name__ == "__main__":
+    main()
