@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks of a commit, in one go, for a machine with a CUDA device:
 #   bash benchmarks/h200_checks.sh OUT PART...
-# PART: tests | sanitizer | sanitizer-each | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
+# PART: tests | tests-transformers | demo-models | bench-model | sanitizer | sanitizer-each | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
 #       probe-ops | bench-host | bench-capture | bench-runtime | bench-step |
 #       bench-kernels | sweep-fp8 | sweep-prefill | probe-prefill-tma | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime, ab-kernels (ROUNDS, default 1) and probe-step compare with the tree in $BASE
-#       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options; SWEEP_ARGS: sweep_prefill.py options, e.g. "--new-kv --sizes 4096 16384"); JOBS: pytest workers for tests (default 10). Each part runs under its own
+#       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options; SWEEP_ARGS: sweep_prefill.py options, e.g. "--new-kv --sizes 4096 16384"); JOBS: pytest workers for tests (default 10); HF_SITE: a folder of carried
+#       packages put first on PYTHONPATH for the transformers parts (a newer transformers than the image's); MODEL_ARGS:
+#       graphrt.bench.model options, e.g. "--models llama-1b --prompts 512 --static-batches 1". Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
 #       failing part does not stop the others. GRAPHRT_COMMIT labels the JSONs.
 set -u
@@ -53,6 +55,12 @@ for part in "$@"; do
     bench-capture) timeout "$limit" python3 -m graphrt bench capture --out "$out" ;;
     bench-runtime) timeout "$limit" python3 -m graphrt bench runtime --out "$out" ;;
     bench-step) timeout "$limit" python3 -m graphrt bench step --out "$out" ;;
+    tests-transformers) PYTHONPATH=${HF_SITE:-}:${PYTHONPATH:-} timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider \
+                  -n "${JOBS:-10}" -m gpu tests/test_transformers.py tests/test_positions.py ;;
+    demo-models) for m in ${DEMO_MODELS:-gemma3 paligemma qwen2-vl granite}; do
+                   PYTHONPATH=${HF_SITE:-}:${PYTHONPATH:-} timeout "$limit" python3 -m graphrt demo --model "$m"; done ;;
+    bench-model) PYTHONPATH=${HF_SITE:-}:${PYTHONPATH:-} timeout "$limit" python3 -m graphrt.bench.model --out "$out" \
+                   ${MODEL_ARGS:-} ;;
     tests-precompile) timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_precompile.py ;;
     bench-kernels) timeout "$limit" python3 -m graphrt bench kernels --out "$out" ;;
     sweep-fp8) timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" \

@@ -238,6 +238,7 @@ def attention_share(loop: GraphrtLoop, first: torch.Tensor) -> float | None:
 
 
 def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, seed) -> dict:
+    """One (model, batch, prompt) row: graphrt first, then each transformers mode."""
     ids, pixels = prompts(hf, batch, prompt, seed)
     dev_ids = ids.to(device)
     dev_pixels = None if pixels is None else pixels.to(device=device, dtype=hf.dtype)
@@ -272,7 +273,9 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
 
 def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: list[int] | None = None,
         prompt_lens: list[int] | None = None, new_tokens: int | None = None, hf_modes: list[str] | None = None,
-        quiet: bool = False) -> list[dict]:
+        static_batches: list[int] | None = None, quiet: bool = False) -> list[dict]:
+    """Every (model, prompt, batch) cell; transformers' static-cache generate (a compile per
+    cell) only at ``static_batches`` where given."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     small = quick or not cuda
@@ -290,8 +293,9 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
         for prompt in prompt_lens:
             for batch in batches:
                 try:
+                    modes = [m for m in hf_modes if m != "static" or static_batches is None or batch in static_batches]
                     row = run_cell(name, hf, batch, prompt, new_tokens, device, chunk=64 if small else 4096,
-                                   hf_modes=hf_modes, seed=batch * 7 + prompt)
+                                   hf_modes=modes, seed=batch * 7 + prompt)
                 except torch.OutOfMemoryError as exc:
                     row = dict(bench="model", model=name, batch=batch, prompt=prompt, new_tokens=new_tokens,
                                skipped=f"out of memory: {str(exc)[:120]}")
@@ -299,7 +303,7 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
                     row["copy_tbps"] = tbps      # the floor at the decode's middle context
                     row["floor_ms"] = decode_bytes(hf, batch, prompt + new_tokens // 2) / tbps / 1e9
                     row["of_floor"] = row["graphrt_ms"] / row["floor_ms"]
-                    for mode in hf_modes:
+                    for mode in modes:
                         row[f"hf_{mode}_over_graphrt"] = row[f"hf_{mode}_ms"] / row["graphrt_ms"]
                 rows.append(row)
                 if not quiet:
@@ -355,11 +359,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--hf", default=None, help="transformers generate modes: eager,static (or none)")
+    parser.add_argument("--static-batches", default=None, help="batches at which to run the static (compiled) mode")
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")] if s else None
     run(quick=args.quick, out=args.out or default_out(), models=args.models.split(",") if args.models else None,
         batches=ints(args.batches), prompt_lens=ints(args.prompts), new_tokens=args.new_tokens,
-        hf_modes=None if args.hf is None else [m for m in args.hf.split(",") if m and m != "none"])
+        hf_modes=None if args.hf is None else [m for m in args.hf.split(",") if m and m != "none"],
+        static_batches=ints(args.static_batches))
 
 
 if __name__ == "__main__":
