@@ -22,6 +22,7 @@ from graphrt.integrations.transformers import MaskSettings, TransformersModel  #
 from graphrt.serve import serve  # noqa: E402
 
 NEVER = (BOI, EOI, IMAGE, VIDEO)
+MOE = ("qwen3-moe", "mixtral")
 
 
 def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk: int = 12, mask=None,
@@ -30,6 +31,10 @@ def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk
     ``profile``, the step count and the profiler's transfer counts)."""
     rng = np.random.default_rng(seed)
     hf = tiny_model(kind, seed).to(device=device, dtype=dtype)
+    if capture and dtype == torch.float16 and hasattr(hf, "set_experts_implementation") and kind in MOE:
+        # torch's grouped_mm (transformers' default for experts) copies from the host for fp16
+        # inputs (torch 2.11), which a graph cannot hold; batched_mm stays on the device
+        hf.set_experts_implementation("batched_mm")
     model = TransformersModel(hf, mask=mask)
     cfg = model.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=48, max_model_len=128,
                                max_prefix_ranges=2)

@@ -151,17 +151,22 @@ def tiny_model(kind: str, seed: int) -> torch.nn.Module:
     if kind not in FAMILIES:
         raise ValueError(f"model kind must be one of {KINDS}, got {kind!r}")
     torch.manual_seed(seed)
-    model = FAMILIES[kind].build()
+    return widen(FAMILIES[kind].build(), seed).eval()
+
+
+@torch.no_grad()
+def widen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Redraw a language model's weights wide (module doc), from ``seed``; the vision
+    tower's are left as they are."""
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if any(part in name for part in ("vision", "visual")):
-                continue
-            if p.dim() >= 2:             # matrices (and stacked experts): unit-variance outputs
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-            else:                        # norms' weights, biases: off their defaults
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()
+    for name, p in model.named_parameters():
+        if any(part in name for part in ("vision", "visual")):
+            continue
+        if p.dim() >= 2:                 # matrices (and stacked experts): unit-variance outputs
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        else:                            # norms' weights, biases: off their defaults
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
 
 
 def make_requests(rng: np.random.Generator, model: TransformersModel, *, kind: str, device,
