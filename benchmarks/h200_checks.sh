@@ -48,9 +48,9 @@ for part in "$@"; do
                   --rounds "${ROUNDS:-1}" --harness a --out /tmp/ab_kernels && cp /tmp/ab_kernels/ab_kernels.json "$out/" ;;
     probe-step) new=$(site new .); old=$(site old "$base")
                 timeout "$limit" bash -c "for r in 1 2; do for s in $new $old; do PYTHONPATH=\$s:\${PYTHONPATH:-} \
-                  python3 benchmarks/probe_step_gpu.py ${PROBE_ARGS:-} --label \$s | tail -n 1; done; done" ;;
-    probe-host) timeout "$limit" python3 benchmarks/probe_step_host.py --out "$out" ;;
-    probe-ops) timeout "$limit" python3 benchmarks/probe_host_ops.py --out "$out" ;;
+                  python3 benchmarks/probes/probe_step_gpu.py ${PROBE_ARGS:-} --label \$s | tail -n 1; done; done" ;;
+    probe-host) timeout "$limit" python3 benchmarks/probes/probe_step_host.py --out "$out" ;;
+    probe-ops) timeout "$limit" python3 benchmarks/probes/probe_host_ops.py --out "$out" ;;
     bench-host) timeout "$limit" python3 -m graphrt bench host --out "$out" ;;
     bench-capture) timeout "$limit" python3 -m graphrt bench capture --out "$out" ;;
     bench-runtime) timeout "$limit" python3 -m graphrt bench runtime --out "$out" ;;
@@ -63,23 +63,23 @@ for part in "$@"; do
                    ${MODEL_ARGS:-} ;;
     tests-precompile) timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_precompile.py ;;
     bench-kernels) timeout "$limit" python3 -m graphrt bench kernels --out "$out" ;;
-    sweep-fp8) timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" \
-                 && timeout "$limit" python3 benchmarks/sweep_fp8_decode.py --out "$out" --new-kv ;;
-    sweep-prefill) timeout "$limit" python3 benchmarks/sweep_prefill.py --out "$out" ${SWEEP_ARGS:-} ;;
-    probe-prefill-tma) timeout "$limit" python3 benchmarks/probe_prefill_tma.py --out "$out" ;;
-    sweep-splits) timeout "$limit" python3 benchmarks/sweep_splits.py --out "$out" ;;
-    sweep-decode) timeout "$limit" python3 benchmarks/sweep_decode.py --out "$out" ;;
+    sweep-fp8) timeout "$limit" python3 benchmarks/probes/sweep_fp8_decode.py --out "$out" \
+                 && timeout "$limit" python3 benchmarks/probes/sweep_fp8_decode.py --out "$out" --new-kv ;;
+    sweep-prefill) timeout "$limit" python3 benchmarks/probes/sweep_prefill.py --out "$out" ${SWEEP_ARGS:-} ;;
+    probe-prefill-tma) timeout "$limit" python3 benchmarks/probes/probe_prefill_tma.py --out "$out" ;;
+    sweep-splits) timeout "$limit" python3 benchmarks/probes/sweep_splits.py --out "$out" ;;
+    sweep-decode) timeout "$limit" python3 benchmarks/probes/sweep_decode.py --out "$out" ;;
     ncu-decode) for shape in "--batch 8 --context 1024" "--batch 1 --context 8192" "--batch 64 --context 8192" \
                               "--batch 64 --context 8192 --fp8"; do
                   timeout "$limit" ncu --clock-control none --kernel-name regex:_attn_kernel --launch-skip 1 \
                     --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
                     --section LaunchStats --section WarpStateStats --section SchedulerStats \
-                    python3 benchmarks/probe_decode_ncu.py $shape; done ;;
+                    python3 benchmarks/probes/probe_decode_ncu.py $shape; done ;;
     ncu-merge) for merge in fused launch; do   # batch 1, 8k, 32 splits: the merge in place against a second launch
                  timeout "$limit" ncu --clock-control none --kernel-name regex:"_attn_kernel|_merge_kernel" \
                    --launch-skip 2 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
                    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-                   python3 benchmarks/probe_decode_ncu.py --batch 1 --context 8192 --splits 32 --merge $merge; done ;;
+                   python3 benchmarks/probes/probe_decode_ncu.py --batch 1 --context 8192 --splits 32 --merge $merge; done ;;
     *) echo "unknown part $part" ;;
   esac > "$log" 2>&1
   echo "rc=$?" >> "$log"

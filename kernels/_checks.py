@@ -49,7 +49,7 @@ def check_same_dtype(q: torch.Tensor, **others: object) -> None:
 
 
 # head_dim the attention kernel is known to compile for and compute right on the GPU
-# (benchmarks/probe_head_dims.py on the H200): 8 fails to compile (``tl.dot`` needs the
+# (benchmarks/probes/probe_head_dims.py on the H200): 8 fails to compile (``tl.dot`` needs the
 # padded head dimension, the next power of two, to be at least 16); 9..256 work. Past 256
 # the dimension pads to 512: one such shape compiled in the probe, the rest are untested,
 # so they are refused rather than left to fail at the first launch.

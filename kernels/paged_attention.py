@@ -97,7 +97,7 @@ class KernelConfig:
     # (``griddepcontrol.wait``) before its first load. None: as the environment's
     # GRAPHRT_PDL says (off unless "1"). Ignored where unsupported. Off by default: on the
     # H200 it saved 0.3 us of a 10 us decode launch among launches of its own and cost
-    # 1-1.5 us of a layer-like graph (benchmarks/sweep_decode.py).
+    # 1-1.5 us of a layer-like graph (benchmarks/probes/sweep_decode.py).
     pdl: bool | None = None
     # Split-KV launches: True, the tile's last split to finish merges the partials in the
     # same launch (a counter per tile in the workspace: ``split_workspace`` makes them);
@@ -108,7 +108,7 @@ class KernelConfig:
     fuse_merge: bool | None = None
     # A cap on registers per thread (Triton's ``maxnreg``; None: the compiler's choice).
     # Fewer registers let more programs share an SM, at the risk of spills
-    # (``benchmarks/sass_stats.py --maxnreg`` shows them).
+    # (``benchmarks/probes/sass_stats.py --maxnreg`` shows them).
     maxnreg: int | None = None
 
 
@@ -162,7 +162,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) 
     about two programs per SM (sequences x KV heads x splits), rounded down to a power of
     two, at most 64; the split lengths then follow each step's contexts on the device. 1
     off CUDA. (The power of two once bounded the kernel variants; the split count is now a
-    launch dimension, so any factor is free: ``benchmarks/sweep_splits.py`` measures them.)"""
+    launch dimension, so any factor is free: ``benchmarks/probes/sweep_splits.py`` measures them.)"""
     device = torch.device(device)
     if device.type != "cuda":
         return 1

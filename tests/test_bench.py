@@ -65,14 +65,14 @@ def test_ab_script_interleaves_two_trees(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run times it instead (h200_checks)")
 def test_prefill_tma_probe_matches_the_reference(tmp_path):
-    """benchmarks/probe_prefill_tma.py's kernel (host and device descriptors, the
+    """benchmarks/probes/probe_prefill_tma.py's kernel (host and device descriptors, the
     warp-specialized one-loop form, a paged cache through 3-d descriptors) against a float64
     reference, under the interpreter."""
     import os
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "probe_prefill_tma.py")], capture_output=True,
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "probe_prefill_tma.py")], capture_output=True,
                          text=True, timeout=600, cwd=tmp_path, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert run.stdout.count("max |err|") == 10, run.stdout

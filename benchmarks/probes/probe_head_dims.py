@@ -2,7 +2,7 @@
 the evidence behind ``MIN_HEAD_DIM`` / ``MAX_HEAD_DIM`` (kernels/_checks.py). The
 launcher's head_dim check is switched off here so that the kernel itself is tried.
 
-    python benchmarks/probe_head_dims.py [--out results.json]
+    python benchmarks/probes/probe_head_dims.py [--out results.json]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Prefill tiles: causal prefill time for several (rows, block_n, warps, stages) beside
 torch SDPA (causal, GQA) in one run.
 
-    python benchmarks/sweep_prefill.py [--out DIR] [--sizes 4096 16384] [--new-kv]
+    python benchmarks/probes/sweep_prefill.py [--out DIR] [--sizes 4096 16384] [--new-kv]
 
 Shapes as ``graphrt bench kernels`` (bf16, 32/8 heads, head_dim 128, KV block 16, random
 block placement, one sequence of n new tokens). Writes ``sweep_prefill.json``: per row

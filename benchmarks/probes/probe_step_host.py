@@ -1,6 +1,6 @@
 """Where the host time of ``rt.step`` goes inside a running loop: each piece timed in place.
 
-    python benchmarks/probe_step_host.py [--out DIR]
+    python benchmarks/probes/probe_step_host.py [--out DIR]
 
 ``graphrt bench host`` times each piece alone; this wraps the pieces of the real call
 (``Step.validate``, ``GraphSet.pick``, ``GraphSet.check_guard``, ``StepBuffers.pack``

@@ -2,7 +2,7 @@
 tile configuration, compiled for a GPU target on a machine without a GPU (Triton ships
 ptxas and cuobjdump). Compare two source trees, or two configurations, at a glance.
 
-    python benchmarks/sass_stats.py [--tree DIR] [--window] [--fp8] [--block-q 4 --block-n 128 ...]
+    python benchmarks/probes/sass_stats.py [--tree DIR] [--window] [--fp8] [--block-q 4 --block-n 128 ...]
 
 The launch is specialised as the runtime's decode bucket of 256 (``--seqs``) sequences would be (bf16,
 32/8 heads, head_dim 128, KV block 16, block table column-major). Results depend on the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[1],
+    parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[2],
                         help="a graphrt source tree (its kernels/ is compiled)")
     parser.add_argument("--window", action="store_true")
     parser.add_argument("--fp8", action="store_true", help="an e4m3 cache")

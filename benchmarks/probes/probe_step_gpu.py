@@ -2,7 +2,7 @@
 with events): the figure ``graphrt bench runtime`` reports as gpu_us, for one cell, so
 that two source trees can be compared in alternating fresh processes.
 
-    PYTHONPATH=<tree site> python benchmarks/probe_step_gpu.py --layers 1 --batch 256
+    PYTHONPATH=<tree site> python benchmarks/probes/probe_step_gpu.py --layers 1 --batch 256
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Small-batch decode, variant by variant in one run: what each change to the decode launch
 is worth, as time per launch inside a graph of launches (as ``sweep_splits.py``).
 
-    python benchmarks/sweep_decode.py [--out DIR]
+    python benchmarks/probes/sweep_decode.py [--out DIR]
 
 Variants (bf16 cache, 32/8 heads, head_dim 128, KV block 16, random block placement):
 

@@ -2,7 +2,7 @@
 (block_n, warps, stages, register cap), beside the bf16 cache's default (and the bf16 tile
 under the same caps), in one run.
 
-    python benchmarks/sweep_fp8_decode.py [--out DIR] [--new-kv]
+    python benchmarks/probes/sweep_fp8_decode.py [--out DIR] [--new-kv]
 
 The register caps test one reading of why fp8 stays at ~0.77x of bf16 where it reads half
 the bytes: the 128-key tile takes 187-245 registers, so 2 programs share an SM, and with

@@ -1,7 +1,7 @@
 """Sweep the attention kernel's tile table on the GPU (the data behind `default_config` and
 `decode_splits`; see benchmarks/NOTES.md).
 
-    python benchmarks/sweep_kernels.py [--only decode,prefill] [--out DIR]
+    python benchmarks/probes/sweep_kernels.py [--only decode,prefill] [--out DIR]
 
 Decode: every (block_n, warps, stages) in DECODE x split factors per batch, at 8k and
 32k context. Prefill: every (rows, block_n, warps, stages) in PREFILL on a 16k causal

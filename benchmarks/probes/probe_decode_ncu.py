@@ -1,7 +1,7 @@
 """A few decode launches, eagerly, for Nsight Compute to read (``ncu`` wraps this script):
 
     ncu --clock-control none --kernel-name regex:_attn_kernel --launch-skip 1 --launch-count 1 \
-        --section WarpStateStats ... python3 benchmarks/probe_decode_ncu.py --batch 8 --context 1024
+        --section WarpStateStats ... python3 benchmarks/probes/probe_decode_ncu.py --batch 8 --context 1024
 
 Shapes as ``graphrt bench kernels`` (bf16, 32/8 heads, head_dim 128, KV block 16, random
 block placement); the split factor is ``decode_splits``' unless ``--splits`` is given.

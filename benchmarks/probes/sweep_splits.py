@@ -1,7 +1,7 @@
 """Split-KV factors for decode: time of a decode launch (bf16 cache) for several split
 factors at each (batch, context), beside the factor ``decode_splits`` picks, in one run.
 
-    python benchmarks/sweep_splits.py [--out DIR]
+    python benchmarks/probes/sweep_splits.py [--out DIR]
 
 The split count is a launch dimension, not a compile-time constant, so any factor in
 1..64 costs no extra attention variant (the merge kernel has one per power-of-two

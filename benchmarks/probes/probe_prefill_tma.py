@@ -4,8 +4,8 @@ one of the step's new tokens, so that K and V come from the step's contiguous ``
 without Triton's warp specialization of the key loop. It decides whether a contiguous
 path for a launch's new keys is worth building into the attention kernel.
 
-    python benchmarks/probe_prefill_tma.py [--out DIR] [--sizes 4096 16384]
-    python benchmarks/probe_prefill_tma.py --compile-only     # sm_90 SASS figures, no GPU
+    python benchmarks/probes/probe_prefill_tma.py [--out DIR] [--sizes 4096 16384]
+    python benchmarks/probes/probe_prefill_tma.py --compile-only     # sm_90 SASS figures, no GPU
 
 On a GPU: for each size, torch SDPA (causal, GQA), graphrt's paged kernel (the table's
 tile) and each probe config, in one run, with the probe's largest error against SDPA's

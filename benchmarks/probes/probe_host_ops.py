@@ -1,7 +1,7 @@
 """What the host's elementary operations cost on this machine, and where ``rt.step``'s
 host time goes (a profile of the whole call): the facts behind the host-path work.
 
-    python benchmarks/probe_host_ops.py [--out DIR]
+    python benchmarks/probes/probe_host_ops.py [--out DIR]
 
 Prints the median µs of single numpy / torch / CUDA-runtime operations of the kinds the
 step path uses (each timed alone, many times), then ``cProfile``'s per-function totals over
