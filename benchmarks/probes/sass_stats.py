@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--read-new", action="store_true",
                         help="a prefill launch given new_kv: the new keys from k/v through tensor descriptors")
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--max-ranges", type=int, default=8, help="prefix-range slots (0: ranges off)")
     parser.add_argument("--seqs", type=int, default=256, help="the decode bucket's sequences")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
@@ -66,8 +67,8 @@ def main() -> None:
         names = fn.arg_names
         const = dict(HEAD_DIM=args.head_dim, HEAD_DIM_PAD=1 << (args.head_dim - 1).bit_length(), KV_BLOCK_SIZE=16,
                      QPK=4, QPK_PAD=4, BLOCK_Q=args.block_q,
-                     BLOCK_N=args.block_n, SHORT_Q=args.short_q, SHORT_BLOCK_N=args.short_block_n, MAX_RANGES=8,
-                     USE_WINDOW=args.window, WINDOW_RULE=0, USE_RANGES=True, USE_SOFTCAP=False,
+                     BLOCK_N=args.block_n, SHORT_Q=args.short_q, SHORT_BLOCK_N=args.short_block_n, MAX_RANGES=args.max_ranges,
+                     USE_WINDOW=args.window, WINDOW_RULE=0, USE_RANGES=args.max_ranges > 0, USE_SOFTCAP=False,
                      SPLIT=args.splits > 1, NUM_SPLITS=args.splits, IEEE_DOT=False, KV_FP8=args.fp8,
                      KV_OFF32=not args.offsets_64,
                      FUSE_MERGE=args.splits > 1 and not args.merge_launch,

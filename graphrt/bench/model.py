@@ -13,7 +13,7 @@ loop whose next ids stay on the device (``Runtime.step(step, device_ids)``), its
 first token (the batch's prompts prefilled in chunks of the mixed bucket), the same two for
 transformers' ``generate``, and the floor: the bytes a decode step must read (every weight
 once, each sequence's KV) over the device-to-device copy bandwidth measured in the same
-run. ``attention_share``: the share of a replayed decode step's kernel time spent in
+run (``graphrt.bench.kernels.ceilings``). ``attention_share``: the share of a replayed decode step's kernel time spent in
 graphrt's attention and KV-write kernels. ``tokens_agree``: of the first 8 greedy tokens,
 how many graphrt and transformers' eager generate share, from the first on (mean over the
 batch; random weights make near ties, so a late divergence is expected in bf16).
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import default_out, plot, time_ms, write
+from graphrt.bench.common import default_out, plot, write
 
 CONFIGS = {
     "llama-1b": dict(family="llama", num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
@@ -105,14 +105,6 @@ def prompts(model, batch: int, length: int, seed: int):
         size = cfg.vision_config.image_size
         pixels = torch.randn(batch, 3, size, size, generator=gen)
     return ids, pixels
-
-
-def copy_tbps(device) -> float:
-    """Device-to-device copy bandwidth, bytes read + written (graphrt.bench.kernels' ceiling)."""
-    nbytes = 1 << 30 if device.type == "cuda" else 1 << 20
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / time_ms(lambda: dst.copy_(src), iters=20) / 1e9
 
 
 def decode_bytes(hf, batch: int, context: int) -> int:
@@ -316,7 +308,11 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
     hf_modes = hf_modes if hf_modes is not None else (["eager"] if small else ["eager", "static"])
     import transformers
     dtype = torch.bfloat16 if cuda else torch.float32
-    tbps = copy_tbps(device)
+    from graphrt.bench.kernels import ceilings
+
+    # the kernels bench's copy ceiling (the better of a memcpy and a copy kernel: on the
+    # H200 a graph's memcpy node alone moved 2.68 TB/s where the kernel reaches ~4.25)
+    tbps = ceilings(small)["copy_tbps"]
     rows = []
     for name in models:
         hf = build(name, specs[name], device, dtype)
