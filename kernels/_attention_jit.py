@@ -496,8 +496,11 @@ def _attend_tile(
 # sequence count.) ``merge_now``: whether a split launch with FUSE_MERGE merges in place
 # (0: a second launch merges), so that buckets on either side of the split limit share a
 # variant.
+# ``max_blocks_per_seq`` too: a one-column block table specialised to the constant 1 made
+# the prefill descriptor path's PTX (bf16, head_dim 128, 16 x 64 tile, 3 stages) crash
+# ptxas 12.8.93, Triton 3.6's (SIGSEGV, on the H200 and on a CPU machine alike).
 _PER_BUCKET = ["max_num_seqs", "num_q_rows", "stride_bt_blk", "stride_po_tok", "stride_po_head", "stride_po_split",
-               "stride_pl_tok", "stride_pl_head", "merge_now"]
+               "stride_pl_tok", "stride_pl_head", "merge_now", "max_blocks_per_seq"]
 
 
 @triton.jit(do_not_specialize=_PER_BUCKET)
