@@ -1,0 +1,76 @@
+"""The result files the READMEs cite exist, and the figures README's headline sentences
+quote are the ones in the JSON they cite."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "h200"
+README = (ROOT / "README.md").read_text()
+# what the documents say was measured (a "Not yet run" section names files still to come)
+DOCS = {name: (ROOT / name).read_text().split("## Not yet run")[0] for name in ("README.md", "benchmarks/README.md")}
+
+
+def cited(text: str) -> set[str]:
+    """Result files a text names: paths under results/ and bare `*.json` / `*.png` / `*.log`
+    names in backticks."""
+    names = set(re.findall(r"results/h200/([A-Za-z0-9_./*-]+\.(?:json|png|log))", text))
+    names |= set(re.findall(r"`((?:kept/|logs/)?[A-Za-z0-9_.-]+\.(?:json|png))`", text))
+    return names
+
+
+@pytest.mark.parametrize("doc", sorted(DOCS))
+def test_cited_results_exist(doc):
+    names = cited(DOCS[doc])
+    assert names, f"{doc} cites no result file"
+    missing = [n for n in sorted(names) if not (list(RESULTS.glob(n)) if "*" in n else (RESULTS / n).exists())]
+    assert not missing, f"{doc} cites result files that are not in {RESULTS.relative_to(ROOT)}: {missing}"
+
+
+def test_every_kept_run_has_its_reason():
+    listed = (RESULTS / "kept" / "README.md").read_text()
+    files = sorted(p.name for p in (RESULTS / "kept").glob("*.json"))
+    assert files and all(f"`{f}`" in listed for f in files), files
+
+
+def rows(name: str) -> list[dict]:
+    return json.loads((RESULTS / name).read_text())["rows"]
+
+
+def in_readme(figure: str, source: str) -> None:
+    assert figure in README, f"README's headline should quote {figure!r}, what {source} holds"
+
+
+def test_headline_kernel_figures_are_the_cited_runs():
+    ab = "ab_kernels_9058019_vs_5b9007f.json"
+    decode = [r for r in rows(ab) if r["bench"] == "decode"]
+    big = [r["of_copy_9058019"] for r in decode
+           if r["impl"] == "graphrt" and r["batch"] >= 64 and r["context"] >= 8192]
+    in_readme(f"decode at {min(big):.2f}–{max(big):.2f}x the device copy", ab)
+    fp8 = {(r["batch"], r["context"]): r["of_bf16_9058019"] for r in decode if r["impl"] == "graphrt_fp8"}
+    long = [v for (b, c), v in fp8.items() if b >= 8 and c >= 8192]
+    in_readme(f"takes {min(long):.2f}–{max(long):.2f}x the bf16 cache's time", ab)
+    in_readme(f"{fp8[(1, 1024)]:.2f}x at batch 1, context 1k", ab)
+
+    new = "kernels_prefill_mixed_fa0b2dd.json"
+    tf = {(r["impl"], r["tokens"]): r["tflops"] for r in rows(new) if r["bench"] == "prefill"}
+    of_sdpa = [tf[("graphrt", n)] / tf[("sdpa", n)] for n in (4096, 16384)]
+    in_readme(f"{of_sdpa[0]:.2f}x / {of_sdpa[1]:.2f}x torch SDPA at 4k / 16k", new)
+    cache = sorted(tf[("graphrt_cache", n)] / tf[("sdpa", n)] for n in (4096, 16384))
+    in_readme(f"({cache[0]:.2f}–{cache[1]:.2f}x over a cache", new)
+    flex = [tf[("graphrt", n)] / tf[("flex", n)] for n in (4096, 16384)]
+    in_readme(f"{flex[0]:.1f}x / {flex[1]:.1f}x compiled flex_attention", new)
+    gain = sorted(tf[("graphrt", n)] / tf[("graphrt_cache", n)] for n in (4096, 16384))
+    in_readme(f"{gain[0]:.1f}–{gain[1]:.1f}x faster on prefills", new)
+
+
+def test_headline_capture_figures_are_the_cited_run():
+    total = {(r["cache"], r["precompile"]): r["ms"] / 1e3 for r in rows("capture.json") if r["bucket"] == "all"}
+    in_readme(f"{total[('cold', True)]:.1f} s from a cold cache with it, {total[('cold', False)]:.1f} s", "capture.json")
+    in_readme(f"from a warm cache {total[('warm', True)]:.1f} s with it and {total[('warm', False)]:.1f} s without",
+              "capture.json")
