@@ -158,6 +158,10 @@ class TransformersModel(nn.Module):
         (Gemma3, PaliGemma, Qwen2-VL, ...) in eval mode, on its device and dtype. It is
         left as it was: outside a graphrt step it runs with its own attention.
     mask: the image-range rules (default: ``MASK_SETTINGS`` by model type).
+
+    The switch to graphrt's attention is made on the model's text config for the length of
+    a step's forward (and of the check run at construction): the model's own forward in
+    another thread at that moment would meet it too.
     """
 
     def __init__(self, hf_model: nn.Module, *, mask: MaskSettings | None = None):
