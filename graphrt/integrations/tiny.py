@@ -75,6 +75,17 @@ def _qwen2_vl() -> torch.nn.Module:
     return transformers.Qwen2VLForConditionalGeneration(cfg)
 
 
+def _qwen2_5_vl() -> torch.nn.Module:
+    text = dict(**_COMMON, num_hidden_layers=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                     mrope_section=[2, 3, 3]))
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16,
+                  fullatt_block_indexes=[1])
+    cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                        video_token_id=VIDEO, vision_start_token_id=BOI, vision_end_token_id=EOI)
+    return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+
+
 _WINDOWED = ["sliding_attention", "full_attention"]
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", "GQA, llama3 RoPE scaling", None, _lm(
@@ -141,6 +152,8 @@ FAMILIES: dict[str, Family] = {
                         "from 1", "prefix", _paligemma),
     "qwen2-vl": Family("Qwen2VLForConditionalGeneration", "multimodal RoPE (three position rows in the step's "
                        "copy), images cut across chunks", "mrope", _qwen2_vl),
+    "qwen2.5-vl": Family("Qwen2_5_VLForConditionalGeneration", "multimodal RoPE, a windowed vision tower",
+                         "mrope", _qwen2_5_vl),
 }
 KINDS = tuple(FAMILIES)
 
