@@ -354,7 +354,8 @@ class TransformersModel(nn.Module):
                      f"sequence position + {self.position_offset}" if self.position_offset else "sequence position")
         return "\n".join([
             f"attention: {first.num_q_heads} query / {first.num_kv_heads} KV heads, head_dim {first.head_dim}, "
-            f"scale {first.scale:.4g}, sliding windows {windows or 'none'}, logit soft-caps {caps or 'none'}",
+            f"scale {'head_dim^-1/2' if first.scale is None else f'{first.scale:.4g}'}, sliding windows "
+            f"{windows or 'none'}, logit soft-caps {caps or 'none'}",
             f"prefix ranges: {ranges}",
             f"positions: {positions}",
             f"head: {type(self.hf).__name__}.forward with logits_to_keep (the model's own LM head and whatever "
