@@ -46,7 +46,6 @@ prompt are one range (a prefix-LM).
 from __future__ import annotations
 
 import inspect
-import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -58,7 +57,6 @@ from graphrt.config import RuntimeConfig
 
 ATTENTION_NAME = "graphrt"
 _DYNAMIC_ROPE = ("dynamic", "longrope")
-_NAMES = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -182,7 +180,8 @@ class TransformersModel(nn.Module):
         # while a step runs: (ctx, mask settings); the attention function finds it through
         # a weak reference (the interface's registry outlives this object)
         self._active = None
-        self._attention_name = f"{ATTENTION_NAME}-{next(_NAMES)}"
+        # a name of its own (a later adapter at this address replaces the entry, whose owner is gone)
+        self._attention_name = f"{ATTENTION_NAME}-{id(self):x}"
         ref = weakref.ref(self)
         AttentionInterface.register(self._attention_name,
                                     lambda *args, **kwargs: _attention(ref, *args, **kwargs))
