@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from _cases import TOL, fresh_seed, rngs
+from _cases import fresh_seed, rngs
 from _model import random_step
 from graphrt import Runtime, RuntimeConfig, SeqStep, Step
 from graphrt.checking import ReferenceRunner

@@ -277,7 +277,7 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
     row["capture_s"] = loop.capture_s
     row["attention_share"] = attention_share(loop, first)
     graphrt_tokens = tokens[:, :COMPARE_TOKENS].cpu()
-    del loop
+    loop = None                                                   # its caches and graphs go before transformers runs
     gc.collect()
     for mode in hf_modes:
         static = mode == "static"
