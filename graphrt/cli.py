@@ -1,4 +1,4 @@
-"""``graphrt`` command line: ``graphrt demo``, ``graphrt bench`` and ``graphrt profile``."""
+"""``graphrt`` command line: ``graphrt demo``, ``graphrt bench``, ``graphrt profile`` and ``graphrt info``."""
 
 from __future__ import annotations
 
@@ -48,13 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--layers", type=int, default=8)
     prof.add_argument("--batch", type=int, default=8)
     prof.add_argument("--context", type=int, default=1024)
+    prof.add_argument("--prefill", type=int, default=0,
+                      help="one more sequence prefilling this many tokens beside the decodes (a mixed step)")
     prof.add_argument("--steps", type=int, default=20)
     prof.add_argument("--warmup", type=int, default=5)
     prof.add_argument("--trace", type=Path, default=Path("graphrt_trace.json"), help="Chrome/Perfetto trace to write")
     prof.add_argument("--nsys", action="store_true",
                       help="no torch profiler: mark the steps with cudaProfilerStart/Stop and NVTX for Nsight Systems")
+    sub.add_parser("info", help="versions, GPU, whether the C helper graphrt._fast was built, where 'kernels' resolves")
     args = parser.parse_args(argv)
 
+    if args.command == "info":
+        from graphrt.info import run
+
+        return run()
     if args.command == "bench":
         return _bench(args)
     device = _pick_device(args.device)
@@ -62,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         from graphrt.profile import run_profile
 
         return run_profile(device=device, layers=args.layers, batch=args.batch, context=args.context,
-                           steps=args.steps, warmup=args.warmup, trace=args.trace, nsys=args.nsys)
+                           steps=args.steps, warmup=args.warmup, trace=args.trace, nsys=args.nsys,
+                           prefill=args.prefill)
     if args.model != "toy":
         from graphrt.demo_transformers import run_transformers_demo
 

@@ -6,8 +6,9 @@ https://ui.perfetto.dev or chrome://tracing) holding graphrt's ``graphrt_step`` 
 prints per step: host µs, GPU µs, GPU busy over the step's GPU span, idle gaps between
 its kernels, the GPU's idle lead-in before it (host-bound steps show it), H2D copies
 (pinned / pageable) and host syncs. With ``--nsys`` it instead brackets the steps with
-cudaProfilerStart/Stop for ``nsys profile --capture-range=cudaProfilerApi`` and emits
-graphrt's NVTX ranges (see docs/profiling.md).
+cudaProfilerStart/Stop for ``nsys profile --capture-range=cudaProfilerApi`` (or ``ncu
+--profile-from-start off``) and emits graphrt's NVTX ranges (see docs/profiling.md).
+``--prefill N`` adds a sequence prefilling N tokens beside the decodes: a mixed step.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 
 def run_profile(*, device: str, layers: int, batch: int, context: int, steps: int, warmup: int, trace: Path,
-                nsys: bool) -> int:
+                nsys: bool, prefill: int = 0) -> int:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from graphrt.bench.common import blocks_per_seq, decode_arrays
@@ -33,20 +34,30 @@ def run_profile(*, device: str, layers: int, batch: int, context: int, steps: in
     on_gpu = device == "cuda"
     heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128) if on_gpu else dict(num_q_heads=4, num_kv_heads=2,
                                                                                     head_dim=64)
+    if not 0 <= prefill <= context:
+        raise SystemExit(f"graphrt profile: --prefill must be in [0, --context={context}], got {prefill}")
     per = blocks_per_seq(context)
-    cfg = RuntimeConfig(**heads, block_size=16, num_blocks=batch * per, max_num_seqs=batch, max_num_tokens=batch,
+    arrays = decode_arrays(batch, context)
+    seqs, tokens = batch, batch
+    if prefill:                  # a mixed step: one more sequence prefilling `prefill` tokens after the decodes
+        seqs, tokens = batch + 1, batch + prefill
+        arrays = dict(q_lens=np.append(arrays["q_lens"], prefill), context_lens=np.append(arrays["context_lens"], 0),
+                      block_table=np.arange(seqs * per).reshape(seqs, per),
+                      prefix_ranges=np.concatenate([arrays["prefix_ranges"], [[[0, 0]]]]))
+    cfg = RuntimeConfig(**heads, block_size=16, num_blocks=seqs * per, max_num_seqs=seqs, max_num_tokens=tokens,
                         max_model_len=context + 1, max_prefix_ranges=2,
                         dtype=torch.bfloat16 if on_gpu else torch.float32)
     model = ToyModel(cfg, num_layers=layers, hidden=1024 if on_gpu else 64, vocab=1024, device=device)
     rt = Runtime(cfg, model, num_layers=layers, device=device, nvtx=nsys)
-    rt.capture(decode_buckets=[batch], mixed_buckets=[])
-    step = Step.from_arrays(**decode_arrays(batch, context))
-    ids = np.arange(batch) % 1000
+    rt.capture(decode_buckets=[] if prefill else [batch], mixed_buckets=[tokens] if prefill else [])
+    step = Step.from_arrays(**arrays)
+    ids = np.arange(tokens) % 1000
     for _ in range(warmup):
         rt.step(step, ids)
     if on_gpu:
         torch.cuda.synchronize()
-    print(f"graphrt profile: {device}, {layers} layers, batch {batch} decode at context {context}, "
+    what = f" beside a {prefill}-token prefill" if prefill else ""
+    print(f"graphrt profile: {device}, {layers} layers, batch {batch} decode at context {context}{what}, "
           f"{'graph replay' if on_gpu else 'eager (Triton interpreter)'}; {steps} steps")
 
     if nsys:

@@ -11,8 +11,30 @@ CLI makes it after looking for a GPU).
 """
 
 import importlib
+import importlib.util
+import sys
 
-from .metadata import AttentionMetadata
+
+def _hand_over_shadowed_name() -> bool:
+    """This directory is graphrt.kernels. Imported under the top-level name "kernels", it
+    was found through a graphrt checkout's root on sys.path (a script or ``python -m`` run
+    from there), and it hides the PyPI package of that name, which transformers >= 5.25
+    imports. Where that package is installed, the import is handed to it (True)."""
+    from importlib.machinery import PathFinder
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = PathFinder.find_spec("kernels", [p for p in sys.path if Path(p or ".").resolve() != root])
+    if spec is None or spec.loader is None:
+        return False
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module               # what the import statement returns
+    spec.loader.exec_module(module)
+    return True
+
+
+if __name__ != "kernels" or not _hand_over_shadowed_name():
+    from .metadata import AttentionMetadata
 
 _LAZY = {
     "paged_attention": "paged_attention", "split_workspace": "paged_attention", "KernelConfig": "paged_attention",

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import tempfile
@@ -18,8 +19,19 @@ import torch
 from graphrt.profiling import RING_WAIT, SYNC_CALLS
 
 
+def card_name() -> str:
+    """The GPU as a short lowercase name ("h200", "h100"; the whole device name, slugged,
+    for a card without a model number of that form), or "cpu"."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    model = re.search(r"\b([a-z]{1,2}\d{2,4}[a-z]?)\b", name.replace("nvidia", ""))
+    return model.group(1) if model else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
 def default_out() -> Path:
-    return Path("benchmarks") / "results" / ("h200" if torch.cuda.is_available() else "cpu")
+    """benchmarks/results/<card> (``card_name``): an H100's run never lands among the H200's."""
+    return Path("benchmarks") / "results" / card_name()
 
 
 def env() -> dict:
@@ -33,9 +45,13 @@ def env() -> dict:
                                           cwd=Path(__file__).parent).stdout.strip() or None
     except OSError:
         pass
+    from graphrt.info import fast_helper
+
     cuda = torch.cuda.is_available()
+    # the C helper packs and copies steps; host-time figures without it are numpy's
     return dict(commit=commit, gpu=torch.cuda.get_device_name() if cuda else None, torch=torch.__version__,
-                triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version())
+                triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+                fast_helper=fast_helper())
 
 
 def write(out: Path, name: str, rows: list[dict], extra_env: dict | None = None) -> Path:

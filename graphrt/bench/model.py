@@ -53,6 +53,8 @@ QUICK = {
 }
 IMAGE_TOKENS = 256
 COMPARE_TOKENS = 8
+# graphrt's kernels in a profile (graphrt.kernels._attention_jit, _kv_write_jit)
+ATTENTION_KERNELS = ("_attn_kernel", "_merge_kernel", "_write_kv_kernel")
 
 
 def build(name: str, spec: dict, device, dtype):
@@ -255,7 +257,7 @@ def attention_share(loop: GraphrtLoop, first: torch.Tensor) -> float | None:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             us = e.self_device_time_total
             total += us
-            attn += us if any(k in e.key for k in ("_attn_kernel", "_merge_kernel", "_kv_write")) else 0.0
+            attn += us if any(k in e.key for k in ATTENTION_KERNELS) else 0.0
     return attn / total if total else None
 
 

@@ -29,12 +29,20 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_atten
 class Family:
     """One family of the test matrix: its transformers class, what it exercises, how its
     prompts hold images (None: text only; "ranges": each image a prefix range; "prefix":
-    image + prompt one range; "mrope": causal, three position rows), and a builder."""
+    image + prompt one range; "mrope": causal, three position rows), a builder, and the
+    first transformers release whose code of it graphrt runs (older ones: refused)."""
 
     cls: str
     exercises: str
     images: str | None
     build: Callable[[], torch.nn.Module]
+    since: str = "5.17"
+
+    def runs_on(self, version: str) -> bool:
+        """Whether transformers ``version`` runs this family's attention through the interface."""
+        from packaging.version import Version
+
+        return Version(version) >= Version(self.since)
 
 
 def _lm(name: str, **config) -> Callable[[], torch.nn.Module]:
@@ -127,7 +135,9 @@ FAMILIES: dict[str, Family] = {
     "falcon": Family("FalconForCausalLM", "decoder layers that pass no attention arguments on, base model named "
                      "transformer", None, _lm(
                          "Falcon", num_hidden_layers=2, new_decoder_architecture=True, num_kv_heads=2, alibi=False,
-                         **{k: v for k, v in _COMMON.items() if k not in ("num_key_value_heads", "intermediate_size")})),
+                         **{k: v for k, v in _COMMON.items() if k not in ("num_key_value_heads", "intermediate_size")}),
+                     # before 5.25 Falcon's attention was its own code, which needs transformers' dense mask
+                     since="5.25"),
     "smollm3": Family("SmolLM3ForCausalLM", "a layer without RoPE, sliding layers", None, _lm(
         "SmolLM3", num_hidden_layers=3, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=6,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], **_COMMON)),
@@ -170,15 +180,16 @@ def tiny_model(kind: str, seed: int) -> torch.nn.Module:
 @torch.no_grad()
 def widen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Redraw a language model's weights wide (module doc), from ``seed``; the vision
-    tower's are left as they are."""
+    tower's are left as they are. The draws are made on the CPU (the same weights on any
+    device) and copied to each parameter's device."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if any(part in name for part in ("vision", "visual")):
             continue
         if p.dim() >= 2:                 # matrices (and stacked experts): unit-variance outputs
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)     # drawn on the CPU, copied over
         else:                            # norms' weights, biases: off their defaults
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+            p.add_((0.1 * torch.randn(p.shape, generator=gen)).to(p.device))
     return model
 
 

@@ -1,0 +1,55 @@
+"""Running from a graphrt checkout's root: its top-level ``kernels/`` (graphrt.kernels) is on
+sys.path there under the name ``kernels``, the PyPI package that transformers >= 5.25 imports.
+Scripts, ``python -c`` and ``python -m graphrt`` started there still get the PyPI package.
+Each check runs in a fresh process whose working directory is the checkout's root."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    run = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run
+
+
+def _pypi_kernels() -> Path:
+    spec = importlib.util.find_spec("kernels")
+    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    if origin is None or origin.parent == ROOT / "kernels":
+        pytest.skip("the PyPI package 'kernels' is not installed (transformers >= 5.25 brings it)")
+    return origin
+
+
+def test_import_kernels_from_the_root_is_the_pypi_package():
+    want = _pypi_kernels()
+    run = _run("-c", "import sys, kernels, transformers.integrations.hub_kernels as hub; "
+                     "print(sys.path[0] == '', kernels.__file__, hasattr(hub, 'CUDAProperties'))")
+    first_is_cwd, path, has_props = run.stdout.split()
+    assert first_is_cwd == "True", "the check did not start with the checkout on sys.path"
+    assert Path(path).resolve() == want, f"'import kernels' from the checkout's root gave {path}, not {want}"
+    assert has_props == "True", "transformers' hub_kernels did not find the PyPI package's names"
+
+
+def test_python_m_graphrt_from_the_root():
+    want = _pypi_kernels()
+    run = _run("-m", "graphrt", "info")
+    lines = dict(line.strip().split(": ", 1) for line in run.stdout.splitlines() if ": " in line)
+    assert str(want.parent) in lines["kernels (PyPI)"], run.stdout
+    assert lines["graphrt._fast"].startswith(("built", "not built")), run.stdout
+
+
+def test_graphrt_kernels_still_imports_under_its_own_name():
+    run = _run("-c", "import kernels, graphrt.kernels as g; print(g.__name__, g.AttentionMetadata.__module__, "
+                     "kernels is not g)")
+    assert run.stdout.split() == ["graphrt.kernels", "graphrt.kernels.metadata", "True"], run.stdout
