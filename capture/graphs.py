@@ -20,10 +20,11 @@ FastGuardFn = Callable[[], Sequence[torch.Tensor]]
 @dataclass
 class CapturedGraph:
     bucket: Bucket
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None   # None in a GraphSet without CUDA graphs: ``run`` runs the step
     outputs: Any                # what the step function returned while capturing: static tensors
     seconds: float              # warm-up + capture time
     pool_bytes: int             # growth of reserved memory while capturing (new graph-pool segments)
+    run: Callable[[], Any] | None = None     # the bucket's step, where there is no graph to replay
 
 
 class CaptureError(RuntimeError):
@@ -67,9 +68,14 @@ class GraphSet:
     arena, weights): a replay after any of them was replaced or reallocated is refused.
     ``fast_guard``, when given, returns the same tensors in the same order without names
     (None, or anything else not a tensor, where one is gone); each step compares their
-    addresses, and only a mismatch pays for ``guard`` to name what moved."""
+    addresses, and only a mismatch pays for ``guard`` to name what moved.
 
-    def __init__(self, guard: GuardFn, fast_guard: FastGuardFn | None = None):
+    ``cuda_graphs=False`` (a machine without CUDA, for compiled steps): "capture" runs each
+    bucket's step once (its compile) and keeps the function; a "replay" runs it again over
+    the bucket's buffers, the same code path a graph would replay, padding included."""
+
+    def __init__(self, guard: GuardFn, fast_guard: FastGuardFn | None = None, *, cuda_graphs: bool = True):
+        self.cuda_graphs = cuda_graphs
         self.graphs: dict[Bucket, CapturedGraph] = {}
         self.index = BucketIndex([])
         self.pool = None
@@ -110,6 +116,9 @@ class GraphSet:
         if self._addresses is not None and not self._guard_holds():
             self.graphs.clear()
             self.index = BucketIndex([])
+        if not self.cuda_graphs:
+            self._run_without_graphs(buckets, prepare, progress)
+            return
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
@@ -199,6 +208,21 @@ class GraphSet:
         if failures:
             raise CaptureError(failures, captured=len(buckets) - len(failures), total=len(buckets))
 
+    def _run_without_graphs(self, buckets: Sequence[Bucket], prepare: Callable[[Bucket], Callable[[], Any]],
+                            progress: Callable[[CapturedGraph], None] | None) -> None:
+        self.precompile_report = None
+        try:
+            for bucket in sorted(buckets, reverse=True):
+                t0 = time.perf_counter()
+                run = prepare(bucket)
+                outputs = run()
+                self.graphs[bucket] = CapturedGraph(bucket, None, outputs, time.perf_counter() - t0, 0, run)
+                if progress:
+                    progress(self.graphs[bucket])
+        finally:
+            self.index = BucketIndex(list(self.graphs))
+            self._addresses = [t.data_ptr() for _, t in self._guard()]
+
     def pick(self, num_seqs: int, num_tokens: int, is_decode: bool) -> CapturedGraph | None:
         """The captured graph of the smallest bucket that fits, or None."""
         bucket = self.index.pick(num_seqs, num_tokens, is_decode)
@@ -207,6 +231,8 @@ class GraphSet:
     def replay(self, captured: CapturedGraph) -> Any:
         """Replay on the current stream; the caller runs ``check_guard`` first (before it
         stages anything, so a refused step leaves the buffers as they were)."""
+        if captured.graph is None:
+            return captured.run()
         captured.graph.replay()
         return captured.outputs
 

@@ -30,7 +30,8 @@ from graphrt.kernels import decode_splits, paged_attention, split_workspace, wri
 from graphrt.kernels.ops import attention_op
 from graphrt.step import Step
 from graphrt.tracing import Tracer
-from graphrt.capture import Bucket, CapturedGraph, GraphSet, default_buckets, make_buckets
+from graphrt.capture import (Bucket, CapturedGraph, CompileOptions, GraphSet, StepCompiler, default_buckets,
+                             make_buckets)
 
 
 def precompile_by_default() -> bool:
@@ -82,10 +83,14 @@ class StepContext:
         opts = dict(scale=scale, window=window, window_rule=window_rule, ranges=ranges, softcap=softcap,
                     num_splits=self._num_splits, max_query_len=self._max_query_len)
         scales = dict(k_scale=rt.k_scales[layer], v_scale=rt.v_scales[layer]) if rt.k_scales is not None else {}
+        decode = self._max_query_len == 1     # a decode bucket's launch writes k, v itself: one kernel fewer a layer
         if torch.compiler.is_compiling():       # torch.compile traces the custom ops (graphrt.kernels.ops)
+            if decode:
+                return attention_op(q, k_cache, v_cache, out, self.meta, workspace=self._workspace, new_kv=(k, v),
+                                    **opts, **scales)
             torch.ops.graphrt.write_kv(k, v, k_cache, v_cache, self.meta.slot_mapping, **scales)
             return attention_op(q, k_cache, v_cache, out, self.meta, workspace=self._workspace, **opts, **scales)
-        if self._max_query_len == 1:    # a decode bucket's launch writes k, v itself: one kernel fewer a layer
+        if decode:
             return paged_attention(q, k_cache, v_cache, out, self.meta, workspace=self._workspace, new_kv=(k, v),
                                    **opts, **scales)
         # Mixed buckets keep the separate write. Given new_kv, their launch would read the new
@@ -120,7 +125,7 @@ class StepContext:
 class StepInfo:
     """How the last step ran."""
 
-    mode: str                   # "replay" or "eager"
+    mode: str                   # "replay", "eager", or "compiled" (a compiled bucket's step without CUDA graphs)
     bucket: Bucket | None
     num_seqs: int
     num_tokens: int
@@ -137,12 +142,17 @@ class Runtime:
     strict:     run stage + copy + replay under ``torch.cuda.set_sync_debug_mode("error")``
                 and refuse a pageable copy source (off by default).
     nvtx:       emit NVTX ranges in the ``graphrt`` domain (off by default).
+    compile:    True or a ``graphrt.capture.CompileOptions``: ``capture`` compiles the model
+                step per bucket with ``torch.compile`` (Inductor by default) before capturing
+                it (``graphrt.capture.compiled``; ``rt.compiler.records`` says what each
+                compile cost). Steps no bucket fits run the step uncompiled. Without CUDA,
+                steps that fit a bucket run its compiled step over the bucket's buffers.
     """
 
     def __init__(self, cfg: RuntimeConfig, model_step: Callable[[StepContext], Any], *, num_layers: int,
                  device: torch.device | str | None = None,
                  kv_caches: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None, ring: int = 3,
-                 strict: bool = False, nvtx: bool = False):
+                 strict: bool = False, nvtx: bool = False, compile: bool | CompileOptions = False):
         if not isinstance(cfg, RuntimeConfig):
             raise TypeError(f"cfg must be a RuntimeConfig, got {type(cfg).__name__}")
         if not callable(model_step):
@@ -176,9 +186,14 @@ class Runtime:
         if cfg.fp8_cache:
             self.k_scales = torch.ones(num_layers, cfg.num_kv_heads, dtype=torch.float32, device=self.device)
             self.v_scales = torch.ones(num_layers, cfg.num_kv_heads, dtype=torch.float32, device=self.device)
+        options = CompileOptions.of(compile)
+        self.compiler = (StepCompiler(model_step, options, attention_calls=num_layers)
+                         if options is not None else None)
         self.strict = strict
         self.tracer = Tracer(nvtx)
-        self.graphs = GraphSet(self._guarded, self._guarded_fast) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self.graphs = (GraphSet(self._guarded, self._guarded_fast, cuda_graphs=cuda)
+                       if cuda or self.compiler is not None else None)
         self._weight_slots: list[tuple[str, dict, str]] | None = None
         self._weight_lookup: tuple[list[dict], list[str]] | None = None   # owners and keys of _weight_slots
         self.last: StepInfo | None = None
@@ -209,7 +224,9 @@ class Runtime:
         """Capture one graph per bucket (defaults: ``capture.default_buckets``), largest
         first, in one memory pool. Decode buckets count sequences, mixed buckets tokens.
         A progress bar shows on an interactive terminal unless ``quiet``; ``progress`` is
-        called with each captured graph. A no-op returning [] on CPU.
+        called with each captured graph. A no-op returning [] on CPU, except for a
+        compiled step (``compile=``): there it compiles each bucket's step and returns
+        the buckets with no graph (``CapturedGraph.graph`` None).
 
         ``precompile`` (default on; None: off only where the environment's
         GRAPHRT_PRECOMPILE is "0") first finds the Triton kernel variants of every bucket
@@ -224,6 +241,7 @@ class Runtime:
             return []
         if precompile is None:
             precompile = precompile_by_default()
+        precompile = precompile and self.device.type == "cuda"     # kernel variants for a GPU
         self._weight_slots = self._weight_lookup = None     # the model may have changed since the last capture
         cfg = self.cfg
         default_decode, default_mixed = default_buckets(cfg.max_num_seqs, cfg.max_num_tokens)
@@ -239,6 +257,8 @@ class Runtime:
                               num_splits=(decode_splits(bucket.num_seqs, cfg.num_kv_heads, self.device)
                                           if bucket.kind == "decode" else 1))
             self._prepared[bucket] = (layout, ctx)
+            if self.compiler is not None:
+                return self.compiler.for_bucket(bucket, ctx)
             return lambda: self.model_step(ctx)
 
         from tqdm.auto import tqdm
@@ -247,13 +267,15 @@ class Runtime:
         with tqdm(total=len(buckets), desc="graphrt capture", unit="graph", disable=True if quiet else None,
                   leave=False, dynamic_ncols=True) as bar:
             def captured(graph: CapturedGraph) -> None:
-                bar.set_postfix_str(f"{graph.bucket} {graph.seconds:.2f} s", refresh=False)
+                record = self.compiler.records.get(graph.bucket) if self.compiler is not None else None
+                compiled = f" (compile {record.seconds:.1f} s)" if record is not None else ""
+                bar.set_postfix_str(f"{graph.bucket} {graph.seconds:.2f} s{compiled}", refresh=False)
                 bar.update(1)
                 if progress:
                     progress(graph)
 
-            self.graphs.capture(buckets, prepare, trace=self.tracer, progress=captured, precompile=precompile,
-                                precompile_key=self._precompile_key() if precompile else None)
+            self.graphs.capture(buckets, prepare, trace=self.tracer, progress=captured,
+                                precompile=precompile, precompile_key=self._precompile_key() if precompile else None)
         return [self.graphs.graphs[b] for b in sorted(buckets, reverse=True)]
 
     def _precompile_key(self) -> str:
@@ -263,7 +285,7 @@ class Runtime:
         step = self.model_step
         name = f"{getattr(step, '__module__', '')}.{getattr(step, '__qualname__', type(step).__qualname__)}"
         return repr((self.cfg, name, len(self.k_caches), torch.cuda.get_device_name(self.device), torch.__version__,
-                     os.environ.get("GRAPHRT_PDL")))
+                     os.environ.get("GRAPHRT_PDL"), self.compiler.options if self.compiler is not None else None))
 
     def _weights(self) -> list[tuple[str, dict, str]]:
         """(qualified name, owning dict, key) of every parameter and buffer of the model
@@ -359,7 +381,8 @@ class Runtime:
                     outputs = self.graphs.replay(captured) if captured is not None else self.model_step(ctx)
                 finally:
                     domain.pop_range()
-        self.last = StepInfo("replay" if captured is not None else "eager", bucket, n_seqs, n_tokens, nbytes)
+        mode = "eager" if captured is None else "replay" if captured.graph is not None else "compiled"
+        self.last = StepInfo(mode, bucket, n_seqs, n_tokens, nbytes)
         return outputs
 
     def _copy(self, ctx: StepContext, slot: int, nbytes: int, strict: bool, n_tokens: int,

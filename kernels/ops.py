@@ -1,7 +1,8 @@
 """graphrt's launchers as ``torch.library`` custom ops, for code that ``torch.compile`` traces.
 
-``torch.ops.graphrt.write_kv`` and ``torch.ops.graphrt.paged_attention`` take the metadata
-as its five tensors and write their outputs in place (declared with ``mutates_args``, so
+``torch.ops.graphrt.write_kv``, ``torch.ops.graphrt.paged_attention`` and
+``torch.ops.graphrt.paged_attention_new_kv`` (the KV write in the attention launch, what a
+decode bucket runs) take the metadata as its five tensors and write their outputs in place (declared with ``mutates_args``, so
 functionalization and Inductor's re-inplacing keep the writes). Their fake
 implementations do nothing: every output is an argument. Eager code should call
 ``graphrt.kernels.write_kv`` / ``paged_attention`` directly (no dispatcher overhead);
@@ -61,15 +62,51 @@ def _(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, prefix_r
     return None
 
 
+@torch.library.custom_op("graphrt::paged_attention_new_kv",
+                         mutates_args=("k_cache", "v_cache", "out", "part_o", "part_lse", "counters"))
+def paged_attention_new_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, block_table: torch.Tensor, prefix_ranges: torch.Tensor,
+                           slot_mapping: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor,
+                           counters: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None,
+                           window_rule: str = "clip", ranges: bool = True, softcap: Optional[float] = None,
+                           num_splits: int = 1, max_query_len: Optional[int] = None,
+                           k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
+    """``paged_attention`` that writes the new k, v ([T, Hkv, D]) into the caches in the same
+    launch (``new_kv``): the caches are declared mutated, so it is a separate op from
+    ``graphrt::paged_attention``, whose caches are only read."""
+    meta = AttentionMetadata(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                             prefix_ranges=prefix_ranges, slot_mapping=slot_mapping)
+    workspace = None if part_o.numel() == 0 or part_lse.numel() == 0 else (part_o, part_lse, counters)
+    _paged_attention(q, k_cache, v_cache, out, meta, scale=scale, window=window, window_rule=window_rule,
+                     ranges=ranges, softcap=softcap, num_splits=num_splits, workspace=workspace,
+                     max_query_len=max_query_len, k_scale=k_scale, v_scale=v_scale, new_kv=(k, v))
+
+
+@paged_attention_new_kv.register_fake
+def _(q, k, v, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, prefix_ranges, slot_mapping, part_o,
+      part_lse, counters, scale=None, window=None, window_rule="clip", ranges=True, softcap=None, num_splits=1,
+      max_query_len=None, k_scale=None, v_scale=None) -> None:
+    return None
+
+
+# the ops that run graphrt attention: what a compiled step's graphs must hold, once a layer
+ATTENTION_OPS = ("graphrt.paged_attention", "graphrt.paged_attention_new_kv")
+
+
 def attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                  meta: AttentionMetadata, *, workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 **opts) -> torch.Tensor:
-    """``paged_attention`` through the custom op, taking an AttentionMetadata; returns out."""
+                 new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, **opts) -> torch.Tensor:
+    """``paged_attention`` through the custom op, taking an AttentionMetadata (and, with
+    ``new_kv``, writing the new K/V in the same launch); returns out."""
     if workspace is None:               # distinct empty tensors: mutated arguments must not alias
         workspace = (q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32),
                      q.new_empty(0, dtype=torch.int32))
     if len(workspace) != 3:
         raise ValueError("workspace must be split_workspace(...)'s three tensors (part_o, part_lse, counters)")
-    torch.ops.graphrt.paged_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
-                                      meta.block_table, meta.prefix_ranges, meta.slot_mapping, *workspace, **opts)
+    tensors = (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges, meta.slot_mapping)
+    if new_kv is None:
+        torch.ops.graphrt.paged_attention(q, k_cache, v_cache, out, *tensors, *workspace, **opts)
+    else:
+        torch.ops.graphrt.paged_attention_new_kv(q, *new_kv, k_cache, v_cache, out, *tensors, *workspace, **opts)
     return out

@@ -88,6 +88,37 @@ def main() -> None:
         print(f"{name}: tokens {tokens} (eager {want_tokens}), max |logit diff| {diff:.3g}, {len(ops)} graphs, "
               f"graphrt ops per graph {graphrt_ops}, breaks {breaks}", flush=True)
         print(f"  kernels of a decode step: {kernels}", flush=True)
+    # graphrt's own option: compiled per bucket, captured (on CUDA) and replayed
+    from graphrt.capture import CompileError
+
+    for label, compile_opt in (("eager captured", False), ("Runtime(compile=True)", True)):
+        torch._dynamo.reset()
+        lm = TransformersModel(hf)
+
+        def captured(lm=lm, compile_opt=compile_opt):
+            cfg = lm.runtime_config(block_size=16, num_blocks=16, max_num_seqs=2, max_num_tokens=32,
+                                    max_model_len=64, max_prefix_ranges=1)
+            rt = Runtime(cfg, lm, num_layers=lm.num_layers, device=device, compile=compile_opt)
+            rt.capture(decode_buckets=[1], mixed_buckets=[16], quiet=True)
+            return rt
+        try:
+            rt = captured()
+        except CompileError as exc:
+            print(f"{label}: {exc}", flush=True)
+            report[label] = dict(error=str(exc))
+            continue
+        records = [str(r) for r in rt.compiler.records.values()] if rt.compiler else []
+        prompt = list(range(3, 13))
+        logits = rt.step(Step([SeqStep(q_len=10, context_len=0, block_ids=[0])]), prompt)[:1].float().clone()
+        tokens, rows, modes = [int(logits[0].argmax())], [logits], [rt.last.mode]
+        for t in range(6):
+            logits = rt.step(Step([SeqStep(q_len=1, context_len=10 + t, block_ids=[0])]), [tokens[-1]])[:1].float()
+            tokens.append(int(logits[0].argmax()))
+            rows.append(logits.clone())
+            modes.append(rt.last.mode)
+        diff = float((torch.cat(rows) - want).abs().max())
+        report[label] = dict(tokens=tokens, modes=modes, max_logit_diff=diff, records=records)
+        print(f"{label}: tokens {tokens} {modes}, max |logit diff| from eager {diff:.3g}; {records}", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "probe_compile.json").write_text(json.dumps(report, indent=1))

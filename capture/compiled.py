@@ -1,0 +1,182 @@
+"""Model steps compiled per bucket with ``torch.compile``, inside graphrt's own graphs.
+
+``Runtime(cfg, model, ..., compile=True)`` (or a ``CompileOptions``) hands each bucket's
+step to ``torch.compile`` when it is captured: Inductor fuses what surrounds graphrt's
+attention (norms, rotary embeddings, activations, residual adds), graphrt's custom ops
+(``torch.ops.graphrt.*``) stay opaque calls inside the compiled code, and graphrt's capture
+records the result as the bucket's CUDA graph (Inductor's own CUDA graphs stay off: one
+owner per graph). Shapes are static per bucket (``dynamic=False``): each bucket is one
+compile of its own, and steps that fit no bucket run the model uncompiled, so an odd step
+size never triggers a compile.
+
+Each bucket's compile is checked: its first run must run graphrt's attention ops
+(``graphrt.kernels.ops.ATTENTION_OPS``) from the compiled code as many times as the step
+has attention calls (by default once per layer of the runtime). A model whose attention was traced as
+something else, or fell out of the graph, is refused with ``CompileError`` rather than
+captured wrong. ``StepCompiler.records`` says per bucket how long the compile took, how
+many graphs it made and what Inductor's on-disk caches served (a second process with a
+warm cache skips Inductor's code generation; dynamo still traces each bucket).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .buckets import Bucket
+
+# Inductor options graphrt sets: CUDA graphs belong to graphrt's capture
+_FIXED = {"triton.cudagraphs": False}
+_CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+                   ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"))
+
+
+class CompileError(RuntimeError):
+    """A compiled step does not run graphrt's attention as the step would (see the message)."""
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How ``Runtime(..., compile=...)`` compiles a bucket's step.
+
+    backend:   a ``torch.compile`` backend name: "inductor" (default), or "aot_eager"
+               (traced but not code-generated: what the CPU tests use for speed).
+    mode:      Inductor's mode ("max-autotune-no-cudagraphs", ...); modes that turn on
+               Inductor's CUDA graphs are refused (graphrt captures the step itself).
+    fullgraph: refuse graph breaks (``torch.compile(fullgraph=True)``).
+    options:   Inductor config overrides (``torch.compile(options=...)``).
+    attention_calls: graphrt attention calls one step makes (default: the runtime's
+               number of layers); the compiled graphs must hold exactly that many.
+    """
+
+    backend: str = "inductor"
+    mode: str | None = None
+    fullgraph: bool = False
+    options: dict | None = None
+    attention_calls: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"CompileOptions.backend must be a backend name, got {self.backend!r}")
+        if self.mode in ("reduce-overhead", "max-autotune"):
+            raise ValueError(f"CompileOptions.mode {self.mode!r} turns on Inductor's CUDA graphs; graphrt captures "
+                             f"the step itself: use 'default' or 'max-autotune-no-cudagraphs'")
+        if (self.options or {}).get("triton.cudagraphs"):
+            raise ValueError("CompileOptions.options: triton.cudagraphs must stay off (graphrt captures the step)")
+        calls = self.attention_calls
+        if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int) or calls < 0):
+            raise ValueError(f"CompileOptions.attention_calls must be an int >= 0, got {calls!r}")
+
+    @classmethod
+    def of(cls, value: "bool | CompileOptions | None") -> "CompileOptions | None":
+        """``Runtime``'s ``compile`` argument as options (None: not compiled)."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"compile must be a bool or graphrt.capture.CompileOptions, got {type(value).__name__}")
+
+
+@dataclass
+class CompileRecord:
+    """One bucket's compile."""
+
+    bucket: Bucket
+    seconds: float = 0.0           # the first call: dynamo's trace, the backend's compile and one run
+    graphs: int = 0                # graphs dynamo made (more than one: graph breaks; 0: an earlier bucket's fit)
+    attention_ops: int = 0         # graphrt attention ops the compiled code ran in that call
+    ops: Counter = field(default_factory=Counter)      # graphrt's ops in them, by name
+    recompiles: int = 0            # later calls that compiled again (a guard of the first compile failed)
+    caches: dict = field(default_factory=dict)          # Inductor's / AOTAutograd's disk caches: hits and misses
+
+    def __str__(self) -> str:
+        cached = ", ".join(f"{k} {v}" for k, v in self.caches.items() if v) or "no disk cache use"
+        again = f", {self.recompiles} recompile(s)" if self.recompiles else ""
+        return f"{self.bucket}: {self.seconds:.2f} s, {self.graphs} graph(s){again}, {cached}"
+
+
+class StepCompiler:
+    """Compiles ``step_fn(ctx)`` once per bucket, with ``options`` (a ``CompileOptions``);
+    ``attention_calls``: how many graphrt attention calls a step makes when the options do
+    not say."""
+
+    def __init__(self, step_fn: Callable[[Any], Any], options: CompileOptions, *, attention_calls: int):
+        self.options = options
+        self.expected = options.attention_calls if options.attention_calls is not None else attention_calls
+        self.records: dict[Bucket, CompileRecord] = {}
+        self._recording: CompileRecord | None = None     # the bucket whose step is being called
+        self._counting = False                            # ... for the first time: count its attention ops
+        self._limit = 8
+        self._compiled = torch.compile(step_fn, backend=self._backend, dynamic=False, fullgraph=options.fullgraph)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs):
+        from graphrt.kernels.ops import ATTENTION_OPS
+
+        ops = Counter(str(n.target).removesuffix(".default") for n in gm.graph.nodes if n.op == "call_function")
+        graphrt_ops = {k: v for k, v in ops.items() if k.startswith("graphrt.")}
+        attention = sum(ops[name] for name in ATTENTION_OPS)
+        if self._recording is not None:
+            self._recording.graphs += 1
+            self._recording.ops.update(graphrt_ops)
+        if self.options.backend == "inductor":
+            from torch._inductor import list_mode_options
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = {**list_mode_options(self.options.mode or "default"), **(self.options.options or {}), **_FIXED}
+            inner = compile_fx(gm, example_inputs, config_patches=patches)
+        else:
+            inner = torch._dynamo.lookup_backend(self.options.backend)(gm, example_inputs)
+
+        def counted(*args):
+            # during a bucket's first call, count the attention ops that run: a graph that a
+            # graph break made reusable (one per decoder layer) counts once per call
+            if self._counting:
+                self._recording.attention_ops += attention
+            return inner(*args)
+        counted._boxed_call = getattr(inner, "_boxed_call", False)      # dynamo's calling convention for it
+        return counted
+
+    def for_bucket(self, bucket: Bucket, ctx: Any) -> Callable[[], Any]:
+        """The function that runs one step of ``bucket`` on ``ctx`` compiled; its first call
+        compiles (and checks what it compiled), later calls run the compiled code."""
+        return lambda: self._call(bucket, ctx)
+
+    def _call(self, bucket: Bucket, ctx: Any) -> Any:
+        from torch._dynamo.utils import counters
+
+        record = self.records.get(bucket)
+        first = record is None
+        if first:
+            record = CompileRecord(bucket)
+            self._limit += 1
+        before = {name: counters[group][name] for group, name in _CACHE_COUNTERS}
+        graphs = record.graphs
+        t0 = time.perf_counter()
+        self._recording, self._counting = record, first
+        try:
+            # one compile per bucket, all of the step function's code: lift dynamo's limit on
+            # how many it keeps (8 by default, past which it would run the step uncompiled)
+            with torch._dynamo.config.patch(recompile_limit=max(8, self._limit),
+                                            accumulated_recompile_limit=max(256, self._limit)):
+                outputs = self._compiled(ctx)
+        finally:
+            self._recording, self._counting = None, False
+        if not first:
+            record.recompiles += record.graphs > graphs     # a later call compiled again: a guard failed
+            return outputs
+        record.seconds = time.perf_counter() - t0
+        record.caches = {name: counters[group][name] - before[name] for group, name in _CACHE_COUNTERS}
+        if record.attention_ops != self.expected:
+            raise CompileError(
+                f"graphrt: the compiled step of {bucket} ran graphrt attention {record.attention_ops} times "
+                f"({record.graphs} graph(s) traced, graphrt ops in them: {dict(record.ops) or 'none'}), where a step "
+                f"makes {self.expected} attention calls: its attention was traced as something else or left out, "
+                f"and its outputs would not be graphrt's. (CompileOptions(attention_calls=N) if the step makes N.)")
+        self.records[bucket] = record
+        return outputs
