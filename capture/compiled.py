@@ -31,6 +31,7 @@ from .buckets import Bucket
 
 # Inductor options graphrt sets: CUDA graphs belong to graphrt's capture
 _FIXED = {"triton.cudagraphs": False}
+_RECOMPILE_LIMIT = 4096
 _CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
                    ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"))
 
@@ -110,9 +111,9 @@ class StepCompiler:
         self.options = options
         self.expected = options.attention_calls if options.attention_calls is not None else attention_calls
         self.records: dict[Bucket, CompileRecord] = {}
+        self._failed: dict[Bucket, str] = {}             # buckets refused, with why
         self._recording: CompileRecord | None = None     # the bucket whose step is being called
         self._counting = False                            # ... for the first time: count its attention ops
-        self._limit = 8
         self._compiled = torch.compile(step_fn, backend=self._backend, dynamic=False, fullgraph=options.fullgraph)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
@@ -150,20 +151,22 @@ class StepCompiler:
     def _call(self, bucket: Bucket, ctx: Any) -> Any:
         from torch._dynamo.utils import counters
 
+        if bucket in self._failed:           # refused before: the same answer, not a silent cache hit
+            raise CompileError(self._failed[bucket])
         record = self.records.get(bucket)
         first = record is None
         if first:
             record = CompileRecord(bucket)
-            self._limit += 1
         before = {name: counters[group][name] for group, name in _CACHE_COUNTERS}
         graphs = record.graphs
         t0 = time.perf_counter()
         self._recording, self._counting = record, first
         try:
-            # one compile per bucket, all of the step function's code: lift dynamo's limit on
-            # how many it keeps (8 by default, past which it would run the step uncompiled)
-            with torch._dynamo.config.patch(recompile_limit=max(8, self._limit),
-                                            accumulated_recompile_limit=max(256, self._limit)):
+            # one compile per bucket (and per model: every TransformersModel shares its methods'
+            # code) on the same code objects: lift dynamo's limit on how many it keeps (8 by
+            # default, past which it would run the step uncompiled) while graphrt compiles
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
+                                            accumulated_recompile_limit=_RECOMPILE_LIMIT):
                 outputs = self._compiled(ctx)
         finally:
             self._recording, self._counting = None, False
@@ -173,10 +176,11 @@ class StepCompiler:
         record.seconds = time.perf_counter() - t0
         record.caches = {name: counters[group][name] - before[name] for group, name in _CACHE_COUNTERS}
         if record.attention_ops != self.expected:
-            raise CompileError(
+            self._failed[bucket] = (
                 f"graphrt: the compiled step of {bucket} ran graphrt attention {record.attention_ops} times "
                 f"({record.graphs} graph(s) traced, graphrt ops in them: {dict(record.ops) or 'none'}), where a step "
                 f"makes {self.expected} attention calls: its attention was traced as something else or left out, "
                 f"and its outputs would not be graphrt's. (CompileOptions(attention_calls=N) if the step makes N.)")
+            raise CompileError(self._failed[bucket])
         self.records[bucket] = record
         return outputs

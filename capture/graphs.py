@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .buckets import Bucket, BucketIndex
+from .compiled import CompileError
 
 GuardFn = Callable[[], Sequence[tuple[str, torch.Tensor]]]
 FastGuardFn = Callable[[], Sequence[torch.Tensor]]
@@ -142,6 +143,8 @@ class GraphSet:
                 key = None if precompile_key is None else f"{precompile_key}|{sorted(set(buckets))}"
                 with torch.cuda.stream(stream):
                     self.precompile_report = compile_variants(runs(), key=key)
+            except CompileError:          # a compiled step refused: capturing it would replay it wrong
+                raise
             except Exception as exc:      # an optimisation only: capture compiles what it needs anyway
                 from .precompile import PrecompileReport
 

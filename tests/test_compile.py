@@ -1,6 +1,7 @@
 """torch.compile over graphrt: the custom ops trace with fullgraph=True and give the same
 results as the launchers; a compiled model runs through the Runtime (CPU: aot_eager
-backend, eagerly through the interpreter; GPU: Inductor, captured and replayed)."""
+backend, eagerly through the interpreter; GPU: Inductor, captured and replayed), by the
+user's own torch.compile or the Runtime's compile option (per bucket, checked)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from _cases import TOL, Seq, assert_close, build_meta, fresh_seed, rngs
 from _model import random_step
 from graphrt import Runtime
+from graphrt.capture import CompileError, CompileOptions
 from graphrt.kernels import paged_attention, reference, split_workspace, write_kv
 from graphrt.kernels.ops import attention_op
 from graphrt.toy import ToyModel
@@ -93,3 +95,92 @@ def test_compiled_model_runs_through_runtime(device):
             assert mode == "replay", f"step {i} ran {mode}, not from a captured graph"
     assert (device.type == "cuda") == bool(captured)
     assert seen.count("graphrt.paged_attention") >= 2, f"the compiled model did not trace graphrt ops: {seen}"
+
+
+def _options(device: torch.device) -> CompileOptions:
+    """Inductor on the GPU; aot_eager on the CPU (traced the same way, no code generation:
+    what fits CI's time)."""
+    return CompileOptions(backend="inductor" if device.type == "cuda" else "aot_eager")
+
+
+def test_runtime_compile_option_matches_the_uncompiled_step(device):
+    """Runtime(compile=...): each bucket compiled once, checked to run graphrt attention once
+    a layer, then (GPU) captured and replayed or (CPU) run over the bucket's buffers; its
+    outputs equal the uncompiled runtime's step after step, and a step no bucket fits runs
+    the step uncompiled."""
+    seed = fresh_seed()
+    rng, _ = rngs(seed)
+    cfg = small_cfg(num_blocks=120, max_num_seqs=4, max_num_tokens=64, max_model_len=160)
+    model = ToyModel(cfg, num_layers=2, hidden=64, vocab=50, window=24, seed=seed, device=device)
+    rt = Runtime(cfg, model, num_layers=2, device=device, compile=_options(device))
+    plain = Runtime(cfg, model, num_layers=2, device=device)
+    captured = rt.capture(decode_buckets=[2, 4], mixed_buckets=[32], quiet=True)
+    assert len(captured) == 3 and all((g.graph is not None) == (device.type == "cuda") for g in captured)
+    records = rt.compiler.records
+    assert sorted(records) == sorted(g.bucket for g in captured)
+    for record in records.values():
+        assert record.attention_ops == 2 and record.graphs >= 1 and record.seconds > 0, str(record)
+        want = {"graphrt.paged_attention_new_kv"} if record.bucket.kind == "decode" else \
+            {"graphrt.write_kv", "graphrt.paged_attention"}
+        assert set(record.ops) == want, f"{record.bucket}: {dict(record.ops)}"
+    compiled_mode = "replay" if device.type == "cuda" else "compiled"
+    for i in range(5):
+        decode, n = i % 2 == 0, int(rng.integers(1, 5))
+        max_tokens = 64 if i == 3 else 32          # step 3 may exceed the largest mixed bucket: uncompiled
+        step = random_step(rng, cfg, num_seqs=n, decode=decode, max_tokens=max_tokens, max_ctx=90)
+        ids = rng.integers(0, 50, step.num_tokens)
+        got = tuple(t.clone() for t in rt.step(step, ids))
+        mode = rt.last.mode
+        want = plain.step(step, ids)
+        compare(f"compiled step {i} ({mode})", got, want, step.num_seqs, step.num_tokens, torch.float32, seed)
+        assert mode == (compiled_mode if step.num_tokens <= 32 or decode else "eager"), (i, mode, step.num_tokens)
+    assert all(r.recompiles == 0 for r in records.values()), [str(r) for r in records.values()]
+
+
+class _OneLayerOwnAttention(ToyModel):
+    """A toy model whose second layer computes attention itself (SDPA over the step's own
+    tokens) instead of through graphrt: what a compiled adapter whose switch to graphrt's
+    attention was lost looks like."""
+
+    def forward(self, ctx):
+        hq, hkv, d = self.cfg.num_q_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        x = self.embed[ctx.input_ids] + self.pos_embed[ctx.positions]
+        for i in range(self.num_layers):
+            qkv = x @ self.w_qkv[i]
+            q = qkv[:, : hq * d].view(-1, hq, d)
+            k = qkv[:, hq * d: (hq + hkv) * d].view(-1, hkv, d)
+            v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
+            if i == 0:
+                out = ctx.attention(i, q, k, v)
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(0, 1), k.repeat_interleave(hq // hkv, 1).transpose(0, 1),
+                    v.repeat_interleave(hq // hkv, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+            x = x + out.flatten(1) @ self.w_o[i]
+        return x[ctx.last_token_index] @ self.embed.T
+
+
+def test_compiled_step_without_graphrt_attention_is_refused(device):
+    cfg = small_cfg(num_blocks=40, max_num_seqs=2, max_num_tokens=16, max_model_len=64)
+    model = _OneLayerOwnAttention(cfg, num_layers=2, hidden=64, vocab=50, device=device)
+    rt = Runtime(cfg, model, num_layers=2, device=device, compile=_options(device))
+    with pytest.raises(CompileError, match=r"ran graphrt attention 1 times .* a step makes 2 attention calls"):
+        rt.capture(decode_buckets=[2], mixed_buckets=[], quiet=True)
+    with pytest.raises(CompileError, match="ran graphrt attention 1 times"):      # refused again, not cached
+        rt.capture(decode_buckets=[2], mixed_buckets=[], quiet=True)
+    ok = Runtime(cfg, model, num_layers=2, device=device, compile=CompileOptions(
+        backend=_options(device).backend, attention_calls=1))     # the step says how many it makes
+    assert len(ok.capture(decode_buckets=[2], mixed_buckets=[], quiet=True)) == 1
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mode="reduce-overhead"), "CUDA graphs"),
+    (dict(options={"triton.cudagraphs": True}), "cudagraphs must stay off"),
+    (dict(attention_calls=-1), "attention_calls"),
+    (dict(backend=""), "backend"),
+], ids=["reduce-overhead", "cudagraphs-option", "negative-calls", "empty-backend"])
+def test_compile_options_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CompileOptions(**kwargs)
+    with pytest.raises(TypeError, match="compile must be"):
+        Runtime(small_cfg(), lambda ctx: None, num_layers=1, device="cpu", compile="yes")

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from _cases import fresh_seed  # noqa: E402
 from graphrt import Runtime, SeqStep, Step  # noqa: E402
+from graphrt.capture import CompileOptions  # noqa: E402
 from graphrt.integrations.tiny import (BOI, EOI, FAMILIES, IMAGE, KINDS, VIDEO, VOCAB, logit_error,  # noqa: E402
                                        make_requests, tiny_model)
 from graphrt.integrations.transformers import MaskSettings, TransformersModel  # noqa: E402
@@ -26,9 +27,12 @@ MOE = ("qwen3-moe", "mixtral")
 
 
 def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk: int = 12, mask=None,
-                    alter=None, profile: bool = False):
+                    alter=None, profile: bool = False, compile: CompileOptions | None = None, reference=None):
     """Worst |graphrt - transformers| / max |logit| over every sampled position (and, with
-    ``profile``, the step count and the profiler's transfer counts)."""
+    ``profile``, the step count and the profiler's transfer counts). ``compile``: the
+    runtime compiles each bucket (on the CPU too, where the steps then run the compiled
+    buckets). ``reference``: a model of the same weights to compare against (an fp32 copy)
+    instead of the one that ran."""
     rng = np.random.default_rng(seed)
     hf = tiny_model(kind, seed).to(device=device, dtype=dtype)
     if capture and dtype == torch.float16 and hasattr(hf, "set_experts_implementation") and kind in MOE:
@@ -38,8 +42,8 @@ def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk
     model = TransformersModel(hf, mask=mask)
     cfg = model.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=48, max_model_len=128,
                                max_prefix_ranges=2)
-    rt = Runtime(cfg, model, num_layers=model.num_layers, device=device, strict=capture)
-    if capture:
+    rt = Runtime(cfg, model, num_layers=model.num_layers, device=device, strict=capture, compile=compile or False)
+    if capture or compile:
         rt.capture(decode_buckets=[1, 2, 4], mixed_buckets=[16, 48], quiet=True)
     reqs = make_requests(rng, model, kind=kind, device=device)
     if alter:
@@ -64,9 +68,9 @@ def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk
         seen = count_transfers(prof, "graphrt_step")
     else:
         loop()
-    if capture:
-        assert set(modes) == {"replay"}, f"steps ran {modes}"
-    worst = logit_error(hf, reqs, device)
+    if capture or compile:
+        assert set(modes) == {"replay" if device.type == "cuda" else "compiled"}, f"steps ran {modes}"
+    worst = logit_error(reference if reference is not None else hf, reqs, device)
     return (worst, steps, seen) if profile else worst
 
 
@@ -92,6 +96,22 @@ def test_family_matches_transformers_cpu(kind, device):
     worst = run_and_compare(kind, device, torch.float32, capture=False, seed=seed)
     print(f"{kind} ({FAMILIES[kind].cls}): worst logit error / max |logit| = {worst:.2e}")
     assert worst < 1e-5, f"{kind}: logits off by {worst:.2e} of max |logit| (seed={seed})"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_family_compiled_matches_transformers_cpu(kind, device):
+    """The same loop with the runtime compiling each bucket's step (aot_eager: dynamo's
+    trace of the family's code, run without code generation), every step a compiled
+    bucket's: as close to transformers' forward as the eager step (fp32)."""
+    if device.type == "cuda":
+        pytest.skip("the GPU test below compiles with Inductor and replays")
+    if refused_by_this_release(kind):
+        return
+    seed = fresh_seed()
+    worst = run_and_compare(kind, device, torch.float32, capture=False, seed=seed,
+                            compile=CompileOptions(backend="aot_eager"))
+    print(f"{kind} compiled: worst logit error / max |logit| = {worst:.2e}")
+    assert worst < 1e-5, f"{kind} compiled: logits off by {worst:.2e} of max |logit| (seed={seed})"
 
 
 def _default_positions(reqs):
@@ -239,3 +259,38 @@ def test_steps_are_one_pinned_copy_and_no_sync(kind):
     assert seen.h2d_pinned == steps, f"{seen.h2d_pinned} pinned HtoD copies over {steps} steps"
     assert seen.h2d_pageable == 0 and seen.syncs == 0, f"{seen.h2d_pageable} pageable copies, {seen.syncs} syncs"
     assert worst < 5e-2, f"{kind}: off by {worst:.2e} (seed={seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_family_compiled_replayed(kind, dtype):
+    """Inductor-compiled buckets, captured and replayed: against an fp32 copy of the model,
+    the compiled step's logit error is at most 1.2x the eager step's (each over its own
+    greedy run of the same requests); transformers' own error in this dtype is printed
+    beside them."""
+    if refused_by_this_release(kind):
+        return
+    import copy
+
+    seed = fresh_seed()
+    device = torch.device("cuda")
+    fp32 = tiny_model(kind, seed).to(device=device, dtype=torch.float32)
+    eager = run_and_compare(kind, device, dtype, capture=True, seed=seed, reference=fp32)
+    compiled = run_and_compare(kind, device, dtype, capture=True, seed=seed, reference=fp32,
+                               compile=CompileOptions())
+    low = copy.deepcopy(fp32).to(dtype)
+    rng = np.random.default_rng(seed)
+    own = logit_error_of_own_forward(low, fp32, kind, rng, device)
+    print(f"{kind} {dtype}: vs fp32, graphrt eager {eager:.2e}, compiled {compiled:.2e}, transformers {own:.2e}")
+    assert compiled <= 1.2 * eager, f"{kind}: compiled {compiled:.2e} > 1.2 x eager {eager:.2e} (seed={seed})"
+
+
+def logit_error_of_own_forward(low, fp32, kind, rng, device) -> float:
+    """transformers' own forward in ``low``'s dtype against ``fp32``'s over one text prompt:
+    worst |difference| / max |logit|."""
+    ids = torch.as_tensor(rng.integers(0, VIDEO, 24), device=device)[None]
+    with torch.no_grad():
+        want = fp32(input_ids=ids).logits.float()
+        got = low(input_ids=ids).logits.float()
+    return float((got - want).abs().max() / want.abs().max())

@@ -248,30 +248,45 @@ class TransformersModel(nn.Module):
         return dict(sorted(probe.calls.items()))
 
     # ---------------------------------------------------------------- the step
+    @torch.compiler.disable(recursive=False)
     def _run(self, ctx, embeds: torch.Tensor, positions: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """The model's own forward on ``embeds`` [1, T, E] at ``positions`` ([T] or [P, T]),
-        its attention through ``ctx``; logits of the rows ``last`` [S]: [S, vocab]."""
-        if self.position_offset:
-            positions = positions + self.position_offset
-        position_ids = positions[None] if positions.dim() == 1 else positions[:, None]     # [1, T] or [P, 1, T]
+        its attention through ``ctx``; logits of the rows ``last`` [S]: [S, vocab]. The
+        switch to graphrt's attention is made here, in plain Python, around ``_forward``
+        (the part ``torch.compile`` traces: see ``forward``)."""
         config = self.text_config
         previous = config._attn_implementation
         config._attn_implementation_internal = self._attention_name
         self._active = (ctx, self.mask)
         try:
-            out = self.hf(inputs_embeds=embeds, position_ids=position_ids, logits_to_keep=last, use_cache=False)
+            return self._forward(embeds, positions, last)
         finally:
             self._active = None
             config._attn_implementation_internal = previous
+
+    def _forward(self, embeds: torch.Tensor, positions: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        if self.position_offset:
+            positions = positions + self.position_offset
+        position_ids = positions[None] if positions.dim() == 1 else positions[:, None]     # [1, T] or [P, 1, T]
+        out = self.hf(inputs_embeds=embeds, position_ids=position_ids, logits_to_keep=last, use_cache=False)
         return out.logits[0]
 
+    # Under torch.compile (``Runtime(..., compile=True)``) this frame and ``_run``'s run as
+    # Python and the frames they call are compiled: ``_embed`` and ``_forward``. So the
+    # attention switch (``_run``: a config attribute and ``_active``) is set before
+    # ``_forward`` is traced and read as it is, not changed inside the traced code, where
+    # torch 2.11's dynamo read the model's own implementation (SDPA) back on a GPU: the
+    # compiled step ran without graphrt's attention. Both frames cost no GPU work.
+    @torch.compiler.disable(recursive=False)
     @torch.no_grad()
     def forward(self, ctx) -> torch.Tensor:
+        return self._run(ctx, self._embed(ctx), ctx.positions, ctx.last_token_index)       # [S, vocab]
+
+    def _embed(self, ctx) -> torch.Tensor:
         ids = ctx.input_ids                                                  # [T]
         if ctx.embed_index is not None:       # placeholder ids may lie past the vocabulary: look up 0 there
             ids = torch.where(ctx.embed_index >= 0, 0, ids)
-        x = ctx.merge_embeds(self.embed_tokens(ids[None]))                   # [1, T, hidden]
-        return self._run(ctx, x, ctx.positions, ctx.last_token_index)       # [S, vocab]
+        return ctx.merge_embeds(self.embed_tokens(ids[None]))                # [1, T, hidden]
 
     # ---------------------------------------------------------------- set-up
     @property
