@@ -241,7 +241,6 @@ class Runtime:
             return []
         if precompile is None:
             precompile = precompile_by_default()
-        precompile = precompile and self.device.type == "cuda"     # kernel variants for a GPU
         self._weight_slots = self._weight_lookup = None     # the model may have changed since the last capture
         cfg = self.cfg
         default_decode, default_mixed = default_buckets(cfg.max_num_seqs, cfg.max_num_tokens)
@@ -284,7 +283,8 @@ class Runtime:
         name; a capture that meets a variant the manifest lacks removes it anyway)."""
         step = self.model_step
         name = f"{getattr(step, '__module__', '')}.{getattr(step, '__qualname__', type(step).__qualname__)}"
-        return repr((self.cfg, name, len(self.k_caches), torch.cuda.get_device_name(self.device), torch.__version__,
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return repr((self.cfg, name, len(self.k_caches), gpu, torch.__version__,
                      os.environ.get("GRAPHRT_PDL"), self.compiler.options if self.compiler is not None else None))
 
     def _weights(self) -> list[tuple[str, dict, str]]:

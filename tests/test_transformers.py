@@ -20,19 +20,18 @@ from graphrt.capture import CompileOptions  # noqa: E402
 from graphrt.integrations.tiny import (BOI, EOI, FAMILIES, IMAGE, KINDS, VIDEO, VOCAB, logit_error,  # noqa: E402
                                        make_requests, tiny_model)
 from graphrt.integrations.transformers import MaskSettings, TransformersModel  # noqa: E402
-from graphrt.serve import serve  # noqa: E402
+from graphrt.serve import Request, serve  # noqa: E402
 
 NEVER = (BOI, EOI, IMAGE, VIDEO)
 MOE = ("qwen3-moe", "mixtral")
 
 
 def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk: int = 12, mask=None,
-                    alter=None, profile: bool = False, compile: CompileOptions | None = None, reference=None):
+                    alter=None, profile: bool = False, compile: CompileOptions | None = None):
     """Worst |graphrt - transformers| / max |logit| over every sampled position (and, with
     ``profile``, the step count and the profiler's transfer counts). ``compile``: the
     runtime compiles each bucket (on the CPU too, where the steps then run the compiled
-    buckets). ``reference``: a model of the same weights to compare against (an fp32 copy)
-    instead of the one that ran."""
+    buckets)."""
     rng = np.random.default_rng(seed)
     hf = tiny_model(kind, seed).to(device=device, dtype=dtype)
     if capture and dtype == torch.float16 and hasattr(hf, "set_experts_implementation") and kind in MOE:
@@ -70,7 +69,7 @@ def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk
         loop()
     if capture or compile:
         assert set(modes) == {"replay" if device.type == "cuda" else "compiled"}, f"steps ran {modes}"
-    worst = logit_error(reference if reference is not None else hf, reqs, device)
+    worst = logit_error(hf, reqs, device)
     return (worst, steps, seen) if profile else worst
 
 
@@ -261,32 +260,88 @@ def test_steps_are_one_pinned_copy_and_no_sync(kind):
     assert worst < 5e-2, f"{kind}: off by {worst:.2e} (seed={seed})"
 
 
+class _Lockstep:
+    """Two runtimes of the same model stepped together: ``step`` runs both on the same step
+    and returns the first one's outputs (the loop follows its tokens); the second one's
+    logits rows are kept per step, so both are judged on the same sequences."""
+
+    def __init__(self, first: Runtime, second: Runtime):
+        self.first, self.second = first, second
+        self.cfg, self.device = first.cfg, first.device
+        self.rows: list[torch.Tensor] = []
+        self.modes: list[tuple[str, str]] = []
+
+    @property
+    def last(self):
+        return self.first.last
+
+    def step(self, step, ids, **kwargs):
+        other = self.second.step(step, ids, **kwargs)
+        self.rows.append(other[: step.num_seqs].float().clone())
+        out = self.first.step(step, ids, **kwargs)
+        self.modes.append((self.first.last.mode, self.second.last.mode))
+        return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_family_compiled_replayed(kind, dtype):
-    """Inductor-compiled buckets, captured and replayed: against an fp32 copy of the model,
-    the compiled step's logit error is at most 1.2x the eager step's (each over its own
-    greedy run of the same requests); transformers' own error in this dtype is printed
-    beside them."""
+    """Inductor-compiled buckets and the eager step, both captured and replayed in lockstep
+    on the same steps (the compiled runtime's greedy tokens drive the loop): against an fp32
+    copy of the model, the compiled step's worst logit error is at most 1.2x the eager
+    step's; transformers' own error in this dtype is printed beside them."""
     if refused_by_this_release(kind):
         return
-    import copy
-
     seed = fresh_seed()
-    device = torch.device("cuda")
-    fp32 = tiny_model(kind, seed).to(device=device, dtype=torch.float32)
-    eager = run_and_compare(kind, device, dtype, capture=True, seed=seed, reference=fp32)
-    compiled = run_and_compare(kind, device, dtype, capture=True, seed=seed, reference=fp32,
-                               compile=CompileOptions())
-    low = copy.deepcopy(fp32).to(dtype)
-    rng = np.random.default_rng(seed)
-    own = logit_error_of_own_forward(low, fp32, kind, rng, device)
+    compiled, eager, own = compiled_and_eager_errors(kind, torch.device("cuda"), dtype, CompileOptions(), seed)
     print(f"{kind} {dtype}: vs fp32, graphrt eager {eager:.2e}, compiled {compiled:.2e}, transformers {own:.2e}")
     assert compiled <= 1.2 * eager, f"{kind}: compiled {compiled:.2e} > 1.2 x eager {eager:.2e} (seed={seed})"
 
 
-def logit_error_of_own_forward(low, fp32, kind, rng, device) -> float:
+def compiled_and_eager_errors(kind: str, device, dtype, options: CompileOptions, seed: int):
+    """(compiled, eager, transformers' own) worst logit error against an fp32 copy of the
+    model, graphrt's two over the same steps (``_Lockstep``)."""
+    import copy
+
+    rng = np.random.default_rng(seed)
+    hf = tiny_model(kind, seed).to(device=device, dtype=dtype)
+    if dtype == torch.float16 and hasattr(hf, "set_experts_implementation") and kind in MOE:
+        hf.set_experts_implementation("batched_mm")     # (see run_and_compare)
+    model = TransformersModel(hf)
+    cfg = model.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=48, max_model_len=128,
+                               max_prefix_ranges=2)
+    cuda = device.type == "cuda"
+    runtimes = [Runtime(cfg, model, num_layers=model.num_layers, device=device, strict=cuda, compile=c)
+                for c in (options, False)]
+    for rt in runtimes:
+        rt.capture(decode_buckets=[1, 2, 4], mixed_buckets=[16, 48], quiet=True)
+    both = _Lockstep(*runtimes)
+    reqs = make_requests(rng, model, kind=kind, device=device)
+    sampled: list[tuple[int, int, Request, int]] = []     # (step, row, request, its logits entry)
+    counts = {id(r): 0 for r in reqs}
+
+    def on_step(_, step, owners):
+        for i, r in enumerate(owners):
+            if len(r.logits) > counts[id(r)]:
+                counts[id(r)] = len(r.logits)
+                sampled.append((len(both.rows) - 1, i, r, len(r.logits) - 1))
+
+    serve(both, reqs, chunk=12, free_blocks=rng.permutation(cfg.num_blocks).tolist(),
+          never=torch.tensor(NEVER, device=device), on_step=on_step)
+    assert set(both.modes) == {("replay", "replay") if cuda else ("compiled", "eager")}, both.modes
+    eager_reqs = [copy.copy(r) for r in reqs]
+    for r in eager_reqs:
+        r.logits = list(r.logits)
+    by_id = {id(r): e for r, e in zip(reqs, eager_reqs)}
+    for step_index, row, r, entry in sampled:
+        by_id[id(r)].logits[entry] = (r.logits[entry][0], both.rows[step_index][row])
+    fp32 = tiny_model(kind, seed).to(device=device, dtype=torch.float32)
+    own = logit_error_of_own_forward(copy.deepcopy(fp32).to(dtype), fp32, rng, device)
+    return logit_error(fp32, reqs, device), logit_error(fp32, eager_reqs, device), own
+
+
+def logit_error_of_own_forward(low, fp32, rng, device) -> float:
     """transformers' own forward in ``low``'s dtype against ``fp32``'s over one text prompt:
     worst |difference| / max |logit|."""
     ids = torch.as_tensor(rng.integers(0, VIDEO, 24), device=device)[None]

@@ -9,7 +9,9 @@ Gemma3-4B-shaped multimodal one (34 layers, hidden 2560, 8/4 heads of 256, slidi
 one 256-token image in every prompt, its embeddings from a small SigLIP tower).
 
 Per cell (model, batch, prompt length; 128 new tokens): graphrt's ms per decoded token in a
-loop whose next ids stay on the device (``Runtime.step(step, device_ids)``), its time to the
+loop whose next ids stay on the device (``Runtime.step(step, device_ids)``), the same with
+each bucket's step compiled by Inductor (``Runtime(compile=True)``: ``graphrt_compiled_ms``,
+``compiled_capture_s`` for compiling and capturing its two buckets in this process), its time to the
 first token (the batch's prompts prefilled in chunks of the mixed bucket), the same two for
 transformers' ``generate``, and the floor: the bytes a decode step must read (every weight
 once, each sequence's KV) over the device-to-device copy bandwidth measured in the same
@@ -136,7 +138,7 @@ class GraphrtLoop:
     up to ``chunk`` tokens (several sequences a step, an image never cut), then greedy
     decodes of the whole batch whose next ids stay on the device."""
 
-    def __init__(self, hf, batch: int, prompt: int, new_tokens: int, device, *, chunk: int):
+    def __init__(self, hf, batch: int, prompt: int, new_tokens: int, device, *, chunk: int, compile=False):
         from graphrt import Runtime
         from graphrt.integrations.transformers import TransformersModel
 
@@ -147,10 +149,10 @@ class GraphrtLoop:
         self.cfg = self.lm.runtime_config(block_size=self.block, num_blocks=batch * self.per_seq,
                                           max_num_seqs=batch, max_num_tokens=self.chunk,
                                           max_model_len=self.per_seq * self.block, max_prefix_ranges=1)
-        self.rt = Runtime(self.cfg, self.lm, num_layers=self.lm.num_layers, device=device)
+        self.rt = Runtime(self.cfg, self.lm, num_layers=self.lm.num_layers, device=device, compile=compile)
         self.batch, self.prompt, self.device = batch, prompt, device
         self.capture_s = 0.0
-        if device.type == "cuda":
+        if device.type == "cuda" or compile:       # (without CUDA a compiled loop runs its compiled buckets)
             t0 = time.perf_counter()
             self.rt.capture(decode_buckets=[batch], mixed_buckets=[self.chunk], quiet=True)
             self.capture_s = time.perf_counter() - t0
@@ -261,7 +263,7 @@ def attention_share(loop: GraphrtLoop, first: torch.Tensor) -> float | None:
     return attn / total if total else None
 
 
-def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, seed) -> dict:
+def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, seed, compiled=None) -> dict:
     """One (model, batch, prompt) row: graphrt first, then each transformers mode."""
     ids, pixels = prompts(hf, batch, prompt, seed)
     dev_ids = ids.to(device)
@@ -279,8 +281,24 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
     row["capture_s"] = loop.capture_s
     row["attention_share"] = attention_share(loop, first)
     graphrt_tokens = tokens[:, :COMPARE_TOKENS].cpu()
-    loop = None                                                   # its caches and graphs go before transformers runs
+    loop = None                                                   # its caches and graphs go before the next loop
     gc.collect()
+    if compiled:      # the same loop with each bucket's step compiled (Runtime(compile=compiled))
+        loop = GraphrtLoop(hf, batch, prompt, new_tokens, device, chunk=chunk, compile=compiled)
+        row["compiled_capture_s"] = loop.capture_s              # compile + capture of the loop's two buckets
+        row["compile_records"] = [str(r) for r in loop.rt.compiler.records.values()]
+        if features is not None:
+            features = [loop.lm.image_features(dev_pixels[i: i + 1]) for i in range(batch)]
+        loop.prefill(ids, features)
+        row["compiled_first_token_ms"], first = timed(lambda: loop.prefill(ids, features), device)
+        loop.decode(first, 4)
+        decode_ms, tokens = timed(lambda: loop.decode(first, new_tokens - 1), device)
+        row["graphrt_compiled_ms"] = decode_ms / (new_tokens - 1)
+        row["compiled_attention_share"] = attention_share(loop, first)
+        same = (tokens[:, :COMPARE_TOKENS].cpu() == graphrt_tokens).int().cumprod(1).sum(1).float()
+        row["compiled_tokens_agree"] = float(same.mean())      # with the eager graphrt loop's
+        loop = None
+        gc.collect()
     for mode in hf_modes:
         static = mode == "static"
         hf_generate(hf, dev_ids, dev_pixels, new_tokens, static)       # warm-up (compiles, with a static cache)
@@ -296,7 +314,7 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
 
 def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: list[int] | None = None,
         prompt_lens: list[int] | None = None, new_tokens: int | None = None, hf_modes: list[str] | None = None,
-        static_batches: list[int] | None = None, quiet: bool = False) -> list[dict]:
+        static_batches: list[int] | None = None, quiet: bool = False, compile: bool = True) -> list[dict]:
     """Every (model, prompt, batch) cell; transformers' static-cache generate (a compile per
     cell) only at ``static_batches`` where given."""
     cuda = torch.cuda.is_available()
@@ -315,6 +333,10 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
     # the kernels bench's copy ceiling (the better of a memcpy and a copy kernel: on the
     # H200 a graph's memcpy node alone moved 2.68 TB/s where the kernel reaches ~4.25)
     tbps = ceilings(small)["copy_tbps"]
+    from graphrt.capture import CompileOptions
+
+    # Inductor on a GPU; on the CPU (the quick test) dynamo's trace without code generation
+    compiled = (CompileOptions() if cuda else CompileOptions(backend="aot_eager")) if compile else None
     rows = []
     for name in models:
         hf = build(name, specs[name], device, dtype)
@@ -323,7 +345,7 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
                 try:
                     modes = [m for m in hf_modes if m != "static" or static_batches is None or batch in static_batches]
                     row = run_cell(name, hf, batch, prompt, new_tokens, device, chunk=64 if small else 4096,
-                                   hf_modes=modes, seed=batch * 7 + prompt)
+                                   hf_modes=modes, seed=batch * 7 + prompt, compiled=compiled)
                 except torch.OutOfMemoryError as exc:
                     row = dict(bench="model", model=name, batch=batch, prompt=prompt, new_tokens=new_tokens,
                                skipped=f"out of memory: {str(exc)[:120]}")
@@ -331,6 +353,8 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
                     row["copy_tbps"] = tbps      # the floor at the decode's middle context
                     row["floor_ms"] = decode_bytes(hf, batch, prompt + new_tokens // 2) / tbps / 1e9
                     row["of_floor"] = row["graphrt_ms"] / row["floor_ms"]
+                    if "graphrt_compiled_ms" in row:
+                        row["compiled_of_floor"] = row["graphrt_compiled_ms"] / row["floor_ms"]
                     for mode in modes:
                         row[f"hf_{mode}_over_graphrt"] = row[f"hf_{mode}_ms"] / row["graphrt_ms"]
                 rows.append(row)
@@ -353,6 +377,9 @@ def _line(r: dict) -> str:
     if "skipped" in r:
         return f"{r['model']:>10} b={r['batch']:<4d} p={r['prompt']:<5d} skipped: {r['skipped']}"
     hf = " ".join(f"hf_{m} {r[f'hf_{m}_ms']:.2f}" for m in ("eager", "static") if f"hf_{m}_ms" in r)
+    if "graphrt_compiled_ms" in r:
+        hf = (f"compiled {r['graphrt_compiled_ms']:.3f} (x{r['compiled_of_floor']:.2f}, compile+capture "
+              f"{r['compiled_capture_s']:.1f} s, agree {r['compiled_tokens_agree']}); {hf}")
     share = r.get("attention_share")
     return (f"{r['model']:>10} b={r['batch']:<4d} p={r['prompt']:<5d} graphrt {r['graphrt_ms']:.3f} ms/token "
             f"(floor {r['floor_ms']:.3f}, x{r['of_floor']:.2f}) first {r['first_token_ms']:.1f} ms; {hf}; "
@@ -368,6 +395,8 @@ def _plot(rows: list[dict], path: Path) -> None:
             if not cell:
                 continue
             series = {"graphrt": ([r["batch"] for r in cell], [r["graphrt_ms"] for r in cell]),
+                      **({"graphrt compiled": ([r["batch"] for r in cell], [r["graphrt_compiled_ms"] for r in cell])}
+                         if all("graphrt_compiled_ms" in r for r in cell) else {}),
                       "floor": ([r["batch"] for r in cell], [r["floor_ms"] for r in cell])}
             for mode in ("eager", "static"):
                 pts = [(r["batch"], r[f"hf_{mode}_ms"]) for r in cell if f"hf_{mode}_ms" in r]
@@ -389,12 +418,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--hf", default=None, help="transformers generate modes: eager,static (or none)")
     parser.add_argument("--static-batches", default=None, help="batches at which to run the static (compiled) mode")
+    parser.add_argument("--no-compile", action="store_true", help="skip graphrt's compiled loop")
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")] if s else None
     run(quick=args.quick, out=args.out or default_out(), models=args.models.split(",") if args.models else None,
         batches=ints(args.batches), prompt_lens=ints(args.prompts), new_tokens=args.new_tokens,
         hf_modes=None if args.hf is None else [m for m in args.hf.split(",") if m and m != "none"],
-        static_batches=ints(args.static_batches))
+        static_batches=ints(args.static_batches), compile=not args.no_compile)
 
 
 if __name__ == "__main__":
