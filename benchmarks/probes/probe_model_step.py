@@ -1,0 +1,75 @@
+"""Question: where does a replayed decode step of a real decoder spend its GPU time, eager
+and compiled (``Runtime(compile=True)``)? The bench model's llama-1b at batch 1 and 8
+(prompt 512), four replayed decode steps under the torch profiler, kernel time summed by
+kind: graphrt's attention, GEMMs, Inductor's fused Triton kernels, other; and the step's
+wall time over those kernels' sum (what is left is gaps between graph nodes).
+
+    python3 benchmarks/probes/probe_model_step.py [--batches 1,8] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def kind_of(name: str) -> str:
+    if any(k in name for k in ("_attn_kernel", "_merge_kernel", "_write_kv_kernel")):
+        return "graphrt attention"
+    if any(k in name.lower() for k in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk")):
+        return "gemm"
+    if name.startswith("triton_"):
+        return "inductor fused"
+    return "other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    from graphrt.bench.model import CONFIGS, GraphrtLoop, build, prompts
+
+    hf = build("llama-1b", CONFIGS["llama-1b"], torch.device("cuda"), torch.bfloat16)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ids, _ = prompts(hf, batch, 512, 0)
+        for compiled in (False, True):
+            loop = GraphrtLoop(hf, batch, 512, 16, torch.device("cuda"), chunk=4096, compile=compiled)
+            first = loop.prefill(ids, None)
+            loop.decode(first, 4)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loop.decode(first, 8)
+            torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - t0) / 8 * 1e6
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                loop.decode(first, 4)
+                torch.cuda.synchronize()
+            by_kind: dict[str, float] = {}
+            count = 0
+            for e in prof.key_averages():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + e.self_device_time_total / 4
+                    count += e.count
+            kernel_us = sum(by_kind.values())
+            row = dict(batch=batch, compiled=compiled, wall_us=wall_us, kernel_us=kernel_us,
+                       kernels_per_step=count / 4, **{f"{k} us": v for k, v in sorted(by_kind.items())})
+            rows.append(row)
+            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            loop = None
+            torch.cuda.empty_cache()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe_model_step.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
+                                                                         rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
