@@ -13,14 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "h200"
 README = (ROOT / "README.md").read_text()
 # what the documents say was measured (a "Not yet run" section names files still to come)
-DOCS = {name: (ROOT / name).read_text().split("## Not yet run")[0] for name in ("README.md", "benchmarks/README.md")}
+DOCS = {name: (ROOT / name).read_text().split("## Not yet run")[0]
+        for name in ("README.md", "benchmarks/README.md", "docs/profiling.md")}
 
 
 def cited(text: str) -> set[str]:
-    """Result files a text names: paths under results/ and bare `*.json` / `*.png` / `*.log`
-    names in backticks."""
-    names = set(re.findall(r"results/h200/([A-Za-z0-9_./*-]+\.(?:json|png|log))", text))
-    names |= set(re.findall(r"`((?:kept/|logs/)?[A-Za-z0-9_.-]+\.(?:json|png))`", text))
+    """Result files a text names, relative to benchmarks/results/: paths under results/<card>/
+    and bare `*.json` / `*.png` names in backticks (the H200's)."""
+    names = set(re.findall(r"results/((?:h200|h100)/[A-Za-z0-9_./*-]+\.(?:json|png|log|txt))", text))
+    names |= {f"h200/{n}" for n in re.findall(r"`((?:kept/|logs/)?[A-Za-z0-9_.-]+\.(?:json|png))`", text)}
     return names
 
 
@@ -28,8 +29,9 @@ def cited(text: str) -> set[str]:
 def test_cited_results_exist(doc):
     names = cited(DOCS[doc])
     assert names, f"{doc} cites no result file"
-    missing = [n for n in sorted(names) if not (list(RESULTS.glob(n)) if "*" in n else (RESULTS / n).exists())]
-    assert not missing, f"{doc} cites result files that are not in {RESULTS.relative_to(ROOT)}: {missing}"
+    base = RESULTS.parent
+    missing = [n for n in sorted(names) if not (list(base.glob(n)) if "*" in n else (base / n).exists())]
+    assert not missing, f"{doc} cites result files that are not in {base.relative_to(ROOT)}: {missing}"
 
 
 def test_every_kept_run_has_its_reason():
@@ -74,3 +76,12 @@ def test_headline_capture_figures_are_the_cited_run():
     in_readme(f"{total[('cold', True)]:.1f} s from a cold cache with it, {total[('cold', False)]:.1f} s", "capture.json")
     in_readme(f"from a warm cache {total[('warm', True)]:.1f} s with it and {total[('warm', False)]:.1f} s without",
               "capture.json")
+
+
+def test_compiled_model_figures_are_the_cited_run():
+    """README's compiled-step sentence quotes the H100 model run it cites."""
+    cell = next(r for r in json.loads((RESULTS.parent / "h100" / "model.json").read_text())["rows"]
+                if r["model"] == "llama-1b" and r["batch"] == 1)
+    in_readme(f"{cell['graphrt_compiled_ms']:.2f} ms per token compiled against {cell['graphrt_ms']:.2f} eager", "model.json")
+    in_readme(f"({cell['compiled_of_floor']:.2f}x /\n{cell['of_floor']:.2f}x its read floor)", "model.json")
+    in_readme(f"{cell['hf_static_ms'] / cell['graphrt_compiled_ms']:.1f}x faster than transformers' static-cache", "model.json")
