@@ -53,3 +53,12 @@ def test_graphrt_kernels_still_imports_under_its_own_name():
     run = _run("-c", "import kernels, graphrt.kernels as g; print(g.__name__, g.AttentionMetadata.__module__, "
                      "kernels is not g)")
     assert run.stdout.split() == ["graphrt.kernels", "graphrt.kernels.metadata", "True"], run.stdout
+
+
+def test_pythonpath_entries_are_on_sys_path():
+    """What PYTHONPATH names is importable here, in a pytest-xdist worker too (workers take
+    the parent's sys.path; tests/conftest.py drops only the checkout's root from it)."""
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    on_path = {Path(p or ".").resolve() for p in sys.path}
+    missing = [p for p in entries if Path(p).resolve() != ROOT and Path(p).resolve() not in on_path]
+    assert not missing, f"PYTHONPATH entries missing from sys.path: {missing}"

@@ -246,14 +246,16 @@ def test_family_matches_transformers_replayed(kind, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("kind", ["gemma3", "paligemma", "qwen2-vl"])
-def test_steps_are_one_pinned_copy_and_no_sync(kind):
-    """Images in the prompt, every step a replay (strict mode): the profiler sees one pinned
-    host-to-device copy per step (the positions rows of multimodal RoPE inside it), no
-    pageable one and no host sync inside any step."""
+def test_steps_are_one_pinned_copy_and_no_sync(kind, compiled):
+    """Images in the prompt, every step a replay (strict mode), of the eager step or of
+    Inductor-compiled buckets: the profiler sees one pinned host-to-device copy per step
+    (the positions rows of multimodal RoPE inside it), no pageable one and no host sync
+    inside any step."""
     seed = fresh_seed()
     worst, steps, seen = run_and_compare(kind, torch.device("cuda"), torch.bfloat16, capture=True, seed=seed,
-                                         profile=True)
+                                         profile=True, compile=CompileOptions() if compiled else None)
     assert seen.regions == steps
     assert seen.h2d_pinned == steps, f"{seen.h2d_pinned} pinned HtoD copies over {steps} steps"
     assert seen.h2d_pageable == 0 and seen.syncs == 0, f"{seen.h2d_pageable} pageable copies, {seen.syncs} syncs"

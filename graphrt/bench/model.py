@@ -357,6 +357,8 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
                         row["compiled_of_floor"] = row["graphrt_compiled_ms"] / row["floor_ms"]
                     for mode in modes:
                         row[f"hf_{mode}_over_graphrt"] = row[f"hf_{mode}_ms"] / row["graphrt_ms"]
+                        if "graphrt_compiled_ms" in row:
+                            row[f"hf_{mode}_over_compiled"] = row[f"hf_{mode}_ms"] / row["graphrt_compiled_ms"]
                 rows.append(row)
                 if not quiet:
                     print(_line(row), flush=True)
