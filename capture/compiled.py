@@ -63,6 +63,12 @@ class CompileOptions:
     def __post_init__(self):
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"CompileOptions.backend must be a backend name, got {self.backend!r}")
+        if self.mode is not None and self.backend == "inductor":
+            from torch._inductor import list_mode_options
+
+            if self.mode not in list_mode_options():
+                raise ValueError(f"CompileOptions.mode must be one of Inductor's modes {sorted(list_mode_options())}, "
+                                 f"got {self.mode!r}")
         if self.mode in ("reduce-overhead", "max-autotune"):
             raise ValueError(f"CompileOptions.mode {self.mode!r} turns on Inductor's CUDA graphs; graphrt captures "
                              f"the step itself: use 'default' or 'max-autotune-no-cudagraphs'")

@@ -175,10 +175,11 @@ def test_compiled_step_without_graphrt_attention_is_refused(device):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mode="reduce-overhead"), "CUDA graphs"),
+    (dict(mode="fastest"), "Inductor's modes"),
     (dict(options={"triton.cudagraphs": True}), "cudagraphs must stay off"),
     (dict(attention_calls=-1), "attention_calls"),
     (dict(backend=""), "backend"),
-], ids=["reduce-overhead", "cudagraphs-option", "negative-calls", "empty-backend"])
+], ids=["reduce-overhead", "unknown-mode", "cudagraphs-option", "negative-calls", "empty-backend"])
 def test_compile_options_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CompileOptions(**kwargs)
