@@ -119,7 +119,6 @@ class StepCompiler:
         self.records: dict[Bucket, CompileRecord] = {}
         self._failed: dict[Bucket, str] = {}             # buckets refused, with why
         self._recording: CompileRecord | None = None     # the bucket whose step is being called
-        self._counting = False                            # ... for the first time: count its attention ops
         self._compiled = torch.compile(step_fn, backend=self._backend, dynamic=False, fullgraph=options.fullgraph)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
@@ -141,10 +140,12 @@ class StepCompiler:
             inner = torch._dynamo.lookup_backend(self.options.backend)(gm, example_inputs)
 
         def counted(*args):
-            # during a bucket's first call, count the attention ops that run: a graph that a
-            # graph break made reusable (one per decoder layer) counts once per call
-            if self._counting:
-                self._recording.attention_ops += attention
+            # during a bucket's first call (not yet in records), count the attention ops that
+            # run: a graph that a graph break made reusable (one per decoder layer) counts
+            # once per call
+            record = self._recording
+            if record is not None and record.bucket not in self.records:
+                record.attention_ops += attention
             return inner(*args)
         counted._boxed_call = getattr(inner, "_boxed_call", False)      # dynamo's calling convention for it
         return counted
@@ -155,30 +156,35 @@ class StepCompiler:
         return lambda: self._call(bucket, ctx)
 
     def _call(self, bucket: Bucket, ctx: Any) -> Any:
-        from torch._dynamo.utils import counters
-
         if bucket in self._failed:           # refused before: the same answer, not a silent cache hit
             raise CompileError(self._failed[bucket])
         record = self.records.get(bucket)
-        first = record is None
-        if first:
-            record = CompileRecord(bucket)
-        before = {name: counters[group][name] for group, name in _CACHE_COUNTERS}
+        if record is None:
+            return self._first_call(bucket, ctx)
         graphs = record.graphs
-        t0 = time.perf_counter()
-        self._recording, self._counting = record, first
+        outputs = self._run(record, ctx)
+        record.recompiles += record.graphs > graphs     # a later call compiled again: a guard failed
+        return outputs
+
+    def _run(self, record: CompileRecord, ctx: Any) -> Any:
+        self._recording = record
         try:
             # one compile per bucket (and per model: every TransformersModel shares its methods'
             # code) on the same code objects: lift dynamo's limit on how many it keeps (8 by
             # default, past which it would run the step uncompiled) while graphrt compiles
             with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
                                             accumulated_recompile_limit=_RECOMPILE_LIMIT):
-                outputs = self._compiled(ctx)
+                return self._compiled(ctx)
         finally:
-            self._recording, self._counting = None, False
-        if not first:
-            record.recompiles += record.graphs > graphs     # a later call compiled again: a guard failed
-            return outputs
+            self._recording = None
+
+    def _first_call(self, bucket: Bucket, ctx: Any) -> Any:
+        from torch._dynamo.utils import counters
+
+        record = CompileRecord(bucket)
+        before = {name: counters[group][name] for group, name in _CACHE_COUNTERS}
+        t0 = time.perf_counter()
+        outputs = self._run(record, ctx)
         record.seconds = time.perf_counter() - t0
         record.caches = {name: counters[group][name] - before[name] for group, name in _CACHE_COUNTERS}
         if record.attention_ops != self.expected:

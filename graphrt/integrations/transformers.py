@@ -229,8 +229,10 @@ class TransformersModel(nn.Module):
             raise ValueError(f"{what}: {exc}") from exc
         except Exception as exc:      # the model's own code, run without a dense mask or a cache
             if not probe.calls:       # e.g. Falcon before transformers 5.25: attention of its own
+                import transformers
+
                 raise ValueError(f"{what}: its attention does not go through transformers' AttentionInterface "
-                                 f"(transformers {_transformers_version()}): no layer reached it before its forward "
+                                 f"(transformers {transformers.__version__}): no layer reached it before its forward "
                                  f"failed without a dense mask: {type(exc).__name__}: {exc}") from exc
             raise ValueError(f"{what}: its forward failed with graphrt's attention in place (no dense mask, no "
                              f"cache object): {type(exc).__name__}: {exc}") from exc
@@ -378,12 +380,6 @@ class TransformersModel(nn.Module):
             f"positions: {positions}",
             f"head: {type(self.hf).__name__}.forward with logits_to_keep (the model's own LM head and whatever "
             f"follows it)"])
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 def _nested(rope) -> bool:
