@@ -1,0 +1,159 @@
+"""Small-batch linear layers: y = x @ w.T (+ b) for a few rows of x (a decode step's tokens),
+where reading the weight is the whole cost. Up to three weights that share the input (a
+layer's q, k and v projections; gate and up) run in one launch without concatenating
+them, each into its own output.
+
+The kernel streams each weight once, BLOCK_N rows a program, BLOCK_K columns at a time.
+One row of x accumulates elementwise in fp32 and reduces once at the end; 2 to 64 rows
+use ``tl.dot`` with the rows padded to 16 (a memory-bound shape: the tensor cores have
+room to spare)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_runnable, check_tensor
+
+MAX_ROWS = 64               # more rows than this are a GEMM for cuBLAS, not a weight stream
+MAX_WEIGHTS = 3
+
+
+@triton.jit
+def _linear_tile(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, i_n,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    p_w = w_ptr + o_n.to(tl.int64)[:, None] * stride_wn          # [BLOCK_N, 1]
+    p_x = x_ptr + o_m.to(tl.int64)[:, None] * stride_xm          # [BLOCK_M, 1]
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        # [BLOCK_N, BLOCK_K]
+        b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+        # [BLOCK_M, BLOCK_K]
+        b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        if BLOCK_M == 1:
+            acc += b_w.to(tl.float32) * b_x.to(tl.float32)
+        else:
+            acc = tl.dot(b_x, tl.trans(b_w), acc, input_precision=DOT_PRECISION)
+    if BLOCK_M == 1:
+        b_y = tl.sum(acc, axis=1)[None, :]                       # [1, BLOCK_N]
+    else:
+        b_y = acc                                                # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        b_y += tl.load(b_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    p_y = y_ptr + o_m.to(tl.int64)[:, None] * stride_ym + o_n[None, :]
+    tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
+                   M, N0, N1, N2, K, stride_xm, stride_w0, stride_w1, stride_w2, stride_y0, stride_y1, stride_y2,
+                   NUM_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # programs [0, nb0) stream w0, the next nb1 w1, the rest w2
+    i = tl.program_id(0)
+    nb0 = tl.cdiv(N0, BLOCK_N)
+    nb1 = tl.cdiv(N1, BLOCK_N)
+    if i < nb0:
+        _linear_tile(x_ptr, w0_ptr, b0_ptr, y0_ptr, M, N0, K, stride_xm, stride_w0, stride_y0, i,
+                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION)
+    elif NUM_W == 2 or (NUM_W == 3 and i < nb0 + nb1):
+        _linear_tile(x_ptr, w1_ptr, b1_ptr, y1_ptr, M, N1, K, stride_xm, stride_w1, stride_y1, i - nb0,
+                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION)
+    elif NUM_W == 3:
+        _linear_tile(x_ptr, w2_ptr, b2_ptr, y2_ptr, M, N2, K, stride_xm, stride_w2, stride_y2, i - nb0 - nb1,
+                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_n: int            # weight rows a program streams
+    block_k: int            # columns a load takes (a [block_n, block_k] tile in flight)
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"LinearConfig.{name} must be a power of two >= 1, got {v!r}")
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"LinearConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
+
+
+def block_rows(m: int) -> int:
+    """The kernel's row block for m rows of x: 1, or 16 / 32 / 64 (``tl.dot``'s smallest is 16)."""
+    return 1 if m == 1 else max(16, triton.next_power_of_2(m))
+
+
+def default_linear_config(m: int, n: int, k: int) -> LinearConfig:
+    """The config for m rows against a [n, k] weight: a static table, picked before capture."""
+    if m == 1:
+        return LinearConfig(block_n=8, block_k=512, num_warps=4)
+    return LinearConfig(block_n=32, block_k=256, num_warps=4)
+
+
+def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                 biases: list[torch.Tensor] | tuple[torch.Tensor, ...] | None = None, *,
+                 config: LinearConfig | None = None) -> list[torch.Tensor]:
+    """``[x @ w.T (+ b) for w, b in zip(weights, biases)]`` in one launch.
+
+    x:       [M, K], 1 <= M <= 64, contiguous rows (any row stride).
+    weights: 1 to 3 tensors [N_i, K] of x's dtype (fp16 / bf16 / fp32), contiguous rows.
+    biases:  None, or one [N_i] tensor per weight.
+    Returns new [M, N_i] tensors of x's dtype.
+    """
+    check_tensor("x", x, dim=2)
+    check_runnable(x.device)
+    weights = list(weights)
+    if not 1 <= len(weights) <= MAX_WEIGHTS:
+        raise ValueError(f"weights must hold 1 to {MAX_WEIGHTS} tensors, got {len(weights)}")
+    m, k = x.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"x must have 1 to {MAX_ROWS} rows (past that use torch's matmul), got {m}")
+    for i, w in enumerate(weights):
+        check_tensor(f"weights[{i}]", w, dim=2, dtypes=(x.dtype,), device=x.device)
+        if w.shape[1] != k:
+            raise ValueError(f"weights[{i}] has {w.shape[1]} columns, x has {k}")
+        if w.shape[0] < 1:
+            raise ValueError(f"weights[{i}] has no rows")
+    if biases is not None:
+        biases = list(biases)
+        if len(biases) != len(weights):
+            raise ValueError(f"biases must hold one tensor per weight ({len(weights)}), got {len(biases)}")
+        for i, (b, w) in enumerate(zip(biases, weights)):
+            check_tensor(f"biases[{i}]", b, dim=1, dtypes=(x.dtype,), device=x.device)
+            if b.shape[0] != w.shape[0]:
+                raise ValueError(f"biases[{i}] has {b.shape[0]} entries, weights[{i}] {w.shape[0]} rows")
+    cfg = config or default_linear_config(m, sum(w.shape[0] for w in weights), k)
+    if not isinstance(cfg, LinearConfig):
+        raise TypeError(f"config must be a LinearConfig, got {type(cfg).__name__}")
+    bm = block_rows(m)
+    if bm > 1 and cfg.block_n < 16:
+        raise ValueError(f"config.block_n must be >= 16 for {m} rows (tl.dot), got {cfg.block_n}")
+    outs = [x.new_empty(m, w.shape[0]) for w in weights]
+    pad = 3 - len(weights)
+    w3 = weights + [weights[0]] * pad
+    b3 = (biases if biases is not None else weights[:1] * len(weights)) + [weights[0]] * pad
+    y3 = outs + [outs[0]] * pad
+    n3 = [w.shape[0] for w in weights] + [0] * pad
+    grid = (sum(triton.cdiv(n, cfg.block_n) for n in n3),)
+    _linear_kernel[grid](
+        x, *w3, *b3, *y3, m, *n3, k, x.stride(0), *(w.stride(0) for w in w3), *(y.stride(0) for y in y3),
+        NUM_W=len(weights), BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=biases is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",      # fp32 as torch's matmul: no tf32
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return outs
