@@ -52,6 +52,9 @@ class CompileOptions:
     options:   Inductor config overrides (``torch.compile(options=...)``).
     attention_calls: graphrt attention calls one step makes (default: the runtime's
                number of layers); the compiled graphs must hold exactly that many.
+    small_linear: with Inductor, run the step's fp16/bf16 matmuls of at most 64 rows
+               through graphrt's ``small_linear`` where it measured faster than cuBLAS, the
+               ones that share an input in one launch (``graphrt.capture.linear_pass``).
     """
 
     backend: str = "inductor"
@@ -59,6 +62,7 @@ class CompileOptions:
     fullgraph: bool = False
     options: dict | None = None
     attention_calls: int | None = None
+    small_linear: bool = True
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or not self.backend:
@@ -74,6 +78,11 @@ class CompileOptions:
                              f"the step itself: use 'default' or 'max-autotune-no-cudagraphs'")
         if (self.options or {}).get("triton.cudagraphs"):
             raise ValueError("CompileOptions.options: triton.cudagraphs must stay off (graphrt captures the step)")
+        if not isinstance(self.small_linear, bool):
+            raise TypeError(f"CompileOptions.small_linear must be a bool, got {type(self.small_linear).__name__}")
+        if self.small_linear and "post_grad_custom_pre_pass" in (self.options or {}):
+            raise ValueError("CompileOptions.options sets post_grad_custom_pre_pass, which small_linear uses: "
+                             "pass small_linear=False to run your own pass there")
         calls = self.attention_calls
         if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int) or calls < 0):
             raise ValueError(f"CompileOptions.attention_calls must be an int >= 0, got {calls!r}")
@@ -100,12 +109,14 @@ class CompileRecord:
     attention_ops: int = 0         # graphrt attention ops the compiled code ran in that call
     ops: Counter = field(default_factory=Counter)      # graphrt's ops in them, by name
     recompiles: int = 0            # later calls that compiled again (a guard of the first compile failed)
+    small_linears: int = 0         # matmuls the small_linear pass rewrote (0 where Inductor's disk cache served)
     caches: dict = field(default_factory=dict)          # Inductor's / AOTAutograd's disk caches: hits and misses
 
     def __str__(self) -> str:
         cached = ", ".join(f"{k} {v}" for k, v in self.caches.items() if v) or "no disk cache use"
         again = f", {self.recompiles} recompile(s)" if self.recompiles else ""
-        return f"{self.bucket}: {self.seconds:.2f} s, {self.graphs} graph(s){again}, {cached}"
+        linears = f", {self.small_linears} matmul(s) to small_linear" if self.small_linears else ""
+        return f"{self.bucket}: {self.seconds:.2f} s, {self.graphs} graph(s){again}{linears}, {cached}"
 
 
 class StepCompiler:
@@ -119,6 +130,11 @@ class StepCompiler:
         self.records: dict[Bucket, CompileRecord] = {}
         self._failed: dict[Bucket, str] = {}             # buckets refused, with why
         self._recording: CompileRecord | None = None     # the bucket whose step is being called
+        self._linear_pass = None
+        if options.backend == "inductor" and options.small_linear:
+            from .linear_pass import SmallLinearPass
+
+            self._linear_pass = SmallLinearPass()
         self._compiled = torch.compile(step_fn, backend=self._backend, dynamic=False, fullgraph=options.fullgraph)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
@@ -135,6 +151,8 @@ class StepCompiler:
             from torch._inductor.compile_fx import compile_fx
 
             patches = {**list_mode_options(self.options.mode or "default"), **(self.options.options or {}), **_FIXED}
+            if self._linear_pass is not None:
+                patches["post_grad_custom_pre_pass"] = self._linear_pass
             inner = compile_fx(gm, example_inputs, config_patches=patches)
         else:
             inner = torch._dynamo.lookup_backend(self.options.backend)(gm, example_inputs)
@@ -183,9 +201,12 @@ class StepCompiler:
 
         record = CompileRecord(bucket)
         before = {name: counters[group][name] for group, name in _CACHE_COUNTERS}
+        linears = self._linear_pass.replaced if self._linear_pass is not None else 0
         t0 = time.perf_counter()
         outputs = self._run(record, ctx)
         record.seconds = time.perf_counter() - t0
+        if self._linear_pass is not None:
+            record.small_linears = self._linear_pass.replaced - linears
         record.caches = {name: counters[group][name] - before[name] for group, name in _CACHE_COUNTERS}
         if record.attention_ops != self.expected:
             self._failed[bucket] = (

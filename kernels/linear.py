@@ -99,10 +99,20 @@ def block_rows(m: int) -> int:
 
 
 def default_linear_config(m: int, n: int, k: int) -> LinearConfig:
-    """The config for m rows against a [n, k] weight: a static table, picked before capture."""
+    """The config for m rows against weights of n rows in all (k columns): a static table,
+    picked before capture, from a sweep on an H100 of Llama-1B/8B's shapes
+    (benchmarks/probes/probe_linear.py at d481a37; µs, this config against the sweep's best):
+    one row, 4 x 1024 tiles (narrow programs: 32k+ of them keep every SM's loads in flight;
+    8 warps for outputs of 2048 or fewer); more rows, ``tl.dot`` tiles of 64 x 128 for wide
+    outputs (gate/up, the LM head), 32 x 256 for a q/k/v group, 16 x 256 for the rest, with
+    three stages of loads in flight."""
     if m == 1:
-        return LinearConfig(block_n=8, block_k=512, num_warps=4)
-    return LinearConfig(block_n=32, block_k=256, num_warps=4)
+        return LinearConfig(block_n=4, block_k=1024, num_warps=8 if n <= 2048 else 4)
+    if n >= 16384:
+        return LinearConfig(block_n=64, block_k=128, num_stages=3)
+    if n >= 3072:
+        return LinearConfig(block_n=32, block_k=256, num_stages=3)
+    return LinearConfig(block_n=16, block_k=256, num_stages=3)
 
 
 def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tensor, ...],

@@ -7,6 +7,8 @@ functionalization and Inductor's re-inplacing keep the writes). Their fake
 implementations do nothing: every output is an argument. Eager code should call
 ``graphrt.kernels.write_kv`` / ``paged_attention`` directly (no dispatcher overhead);
 ``graphrt.StepContext.attention`` switches to these ops while it is being compiled.
+``torch.ops.graphrt.small_linear`` is a plain functional op: a compiled step's matmuls of a
+few rows become it after tracing (``graphrt.capture.linear_pass``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Optional
 import torch
 
 from .kv_write import write_kv as _write_kv
+from .linear import small_linear as _small_linear
 from .metadata import AttentionMetadata
 from .paged_attention import paged_attention as _paged_attention
 
@@ -88,6 +91,22 @@ def _(q, k, v, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, pr
       part_lse, counters, scale=None, window=None, window_rule="clip", ranges=True, softcap=None, num_splits=1,
       max_query_len=None, k_scale=None, v_scale=None) -> None:
     return None
+
+
+@torch.library.custom_op("graphrt::small_linear", mutates_args=())
+def small_linear(x: torch.Tensor, weights: list[torch.Tensor],
+                 biases: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    """``graphrt.kernels.linear.small_linear``: [x @ w.T (+ b)] for 1 to 3 weights in one
+    launch (what a compiled step's matmuls of a few rows become: ``graphrt.capture.linear_pass``);
+    biases: one per weight, all tensors or all None."""
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        raise ValueError("biases must be all tensors or all None")
+    return _small_linear(x, weights, None if all(b is None for b in biases) else biases)
+
+
+@small_linear.register_fake
+def _(x, weights, biases):
+    return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
 
 
 # the ops that run graphrt attention: what a compiled step's graphs must hold, once a layer

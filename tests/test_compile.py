@@ -185,3 +185,31 @@ def test_compile_options_refused(kwargs, match):
         CompileOptions(**kwargs)
     with pytest.raises(TypeError, match="compile must be"):
         Runtime(small_cfg(), lambda ctx: None, num_layers=1, device="cpu", compile="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("small_linear", [True, False], ids=["small-linear", "cublas"])
+def test_compiled_decoder_runs_small_linear(small_linear):
+    """A bf16 Llama compiled by the Runtime: with ``small_linear`` (the default) its replayed
+    decode step runs graphrt's linear kernel (q/k/v and gate/up grouped: fewer matmul launches
+    than without) and gives the uncompiled loop's greedy tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from graphrt.bench.model import QUICK, GraphrtLoop, build, prompts
+
+    dev = torch.device("cuda")
+    hf = build("llama-tiny", QUICK["llama-tiny"], dev, torch.bfloat16)
+    ids, _ = prompts(hf, 4, 24, 0)
+    loops = [GraphrtLoop(hf, 4, 24, 8, dev, chunk=64, compile=c)
+             for c in (CompileOptions(small_linear=small_linear), False)]
+    firsts = [loop.prefill(ids, None) for loop in loops]
+    tokens = [loop.decode(first, 6) for loop, first in zip(loops, firsts)]
+    assert torch.equal(tokens[0], tokens[1]), f"compiled {tokens[0].tolist()} != eager {tokens[1].tolist()}"
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        loops[0].decode(firsts[0], 1)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    linear = [n for n in names if "_linear_kernel" in n]
+    assert bool(linear) == small_linear, names
+    record = loops[0].rt.compiler.records
+    assert all(r.attention_ops == 2 for r in record.values()), [str(r) for r in record.values()]

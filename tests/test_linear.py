@@ -77,3 +77,49 @@ def test_default_config_fits_the_rows():
         cfg = default_linear_config(m, 4096, 4096)
         assert block_rows(m) == 1 or cfg.block_n >= 16
         assert block_rows(m) >= m
+
+
+def _layer(x, wq, wk, wv, wo, wg, wu, wd, bq, bk, bv, lm):
+    """A decoder layer's matmuls, as a model makes them (3-D activations, F.linear)."""
+    import torch.nn.functional as F
+
+    q, k, v = F.linear(x, wq, bq), F.linear(x, wk, bk), F.linear(x, wv, bv)
+    h = x + F.linear(q * k.sum(-1, keepdim=True) + v.mean(-1, keepdim=True), wo)
+    g, u = F.linear(h, wg), F.linear(h, wu)
+    h = h + F.linear(torch.nn.functional.silu(g) * u, wd)
+    return F.linear(h, lm)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 65], ids=["rows1", "rows17", "rows65-cublas"])
+def test_linear_pass_groups_shared_inputs(rows):
+    """group_small_linears on the aten graph of a layer: q/k/v (with biases) in one launch,
+    gate/up in one, the rest by the rules (one row: every matmul; more: groups and wide
+    outputs only; past 64 rows: none), and the rewritten graph computes what the graph did
+    (the same fp16 rounding between the matmuls; each matmul's sum in its own order)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphrt.capture.linear_pass import group_small_linears
+
+    seed = fresh_seed()
+    _, gen = rngs(seed)
+    # the LM head: wide (>= 32768 rows) where that decides (rows > 1); small for one row, whose
+    # 4-row programs the interpreter would take a minute over
+    hidden, heads, inter, vocab = 48, 16, 80, 33000 if rows > 1 else 100
+    shapes = [(hidden, hidden), (heads, hidden), (heads, hidden), (hidden, hidden), (inter, hidden),
+              (inter, hidden), (hidden, inter), (hidden,), (heads,), (heads,), (vocab, hidden)]
+    args = [torch.randn(1, rows, hidden, generator=gen).half()] + \
+        [(torch.randn(*s, generator=gen) / 8).half() for s in shapes]
+    gm = make_fx(_layer)(*args)
+    want = gm(*args)
+    replaced = group_small_linears(gm.graph, devices=("cpu",))
+    gm.graph.lint()
+    gm.recompile()
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.graphrt.small_linear.default]
+    mms = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    if rows == 1:
+        assert (replaced, [len(c.args[1]) for c in calls], len(mms)) == (8, [3, 1, 2, 1, 1], 0)
+    elif rows <= 64:
+        assert (replaced, [len(c.args[1]) for c in calls], len(mms)) == (6, [3, 2, 1], 2)
+    else:
+        assert (replaced, calls, len(mms)) == (0, [], 8)
+    assert_close("logits", gm(*args), want, 1e-2, 1e-2, seed)

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from _cases import fresh_seed  # noqa: E402
 from graphrt import Runtime, SeqStep, Step  # noqa: E402
 from graphrt.capture import CompileOptions  # noqa: E402
-from graphrt.integrations.tiny import (BOI, EOI, FAMILIES, IMAGE, KINDS, VIDEO, VOCAB, logit_error,  # noqa: E402
+from graphrt.integrations.tiny import (BOI, EOI, FAMILIES, IMAGE, KINDS, VIDEO, VOCAB, logit_error, logit_errors,  # noqa: E402
                                        make_requests, tiny_model)
 from graphrt.integrations.transformers import MaskSettings, TransformersModel  # noqa: E402
 from graphrt.serve import Request, serve  # noqa: E402
@@ -290,20 +290,30 @@ class _Lockstep:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_family_compiled_replayed(kind, dtype):
     """Inductor-compiled buckets and the eager step, both captured and replayed in lockstep
-    on the same steps (the compiled runtime's greedy tokens drive the loop): against an fp32
-    copy of the model, the compiled step's worst logit error is at most 1.2x the eager
-    step's; transformers' own error in this dtype is printed beside them."""
+    on the same steps (the compiled runtime's greedy tokens drive the loop), against an fp32
+    copy of the model: the compiled step's logit error (root mean square over every logit
+    sampled) is at most 1.2x the eager step's, and its worst logit at most 2x the eager
+    step's worst; transformers' own error in this dtype is printed beside them.
+
+    Why the mean and not the worst for the 1.2x: the two steps round at different points
+    (Inductor keeps fp32 between the ops it fuses), and the worst of a few thousand logits
+    of two such paths is one draw of an extreme: over the 50 cases at d481a37 (H100) their
+    ratio reached 1.48 in cases whose mean errors agreed."""
     if refused_by_this_release(kind):
         return
     seed = fresh_seed()
     compiled, eager, own = compiled_and_eager_errors(kind, torch.device("cuda"), dtype, CompileOptions(), seed)
-    print(f"{kind} {dtype}: vs fp32, graphrt eager {eager:.2e}, compiled {compiled:.2e}, transformers {own:.2e}")
-    assert compiled <= 1.2 * eager, f"{kind}: compiled {compiled:.2e} > 1.2 x eager {eager:.2e} (seed={seed})"
+    print(f"{kind} {dtype}: vs fp32 (worst, rms), graphrt eager {eager[0]:.2e} {eager[1]:.2e}, compiled "
+          f"{compiled[0]:.2e} {compiled[1]:.2e}, transformers (worst) {own:.2e}")
+    assert compiled[1] <= 1.2 * eager[1], \
+        f"{kind}: compiled rms {compiled[1]:.2e} > 1.2 x eager {eager[1]:.2e} (seed={seed})"
+    assert compiled[0] <= 2 * eager[0], \
+        f"{kind}: compiled worst {compiled[0]:.2e} > 2 x eager {eager[0]:.2e} (seed={seed})"
 
 
 def compiled_and_eager_errors(kind: str, device, dtype, options: CompileOptions, seed: int):
-    """(compiled, eager, transformers' own) worst logit error against an fp32 copy of the
-    model, graphrt's two over the same steps (``_Lockstep``)."""
+    """(compiled, eager, transformers' own) logit error against an fp32 copy of the model:
+    graphrt's two as (worst, rms) over the same steps (``_Lockstep``), transformers' its worst."""
     import copy
 
     rng = np.random.default_rng(seed)
@@ -340,7 +350,7 @@ def compiled_and_eager_errors(kind: str, device, dtype, options: CompileOptions,
         by_id[id(r)].logits[entry] = (r.logits[entry][0], both.rows[step_index][row])
     fp32 = tiny_model(kind, seed).to(device=device, dtype=torch.float32)
     own = logit_error_of_own_forward(copy.deepcopy(fp32).to(dtype), fp32, rng, device)
-    return logit_error(fp32, reqs, device), logit_error(fp32, eager_reqs, device), own
+    return logit_errors(fp32, reqs, device), logit_errors(fp32, eager_reqs, device), own
 
 
 def logit_error_of_own_forward(low, fp32, rng, device) -> float:

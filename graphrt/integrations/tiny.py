@@ -249,23 +249,33 @@ def reference_logits(hf, req: Request, device) -> torch.Tensor:
 
 def logit_error(hf, requests: list[Request], device) -> float:
     """Worst |graphrt - transformers| / max |logit| over every position the requests sampled
-    at, transformers' forward running with its eager attention, the library's reference
+    at (``logit_errors``' first figure)."""
+    return logit_errors(hf, requests, device)[0]
+
+
+def logit_errors(hf, requests: list[Request], device) -> tuple[float, float]:
+    """(worst, root mean square) of |graphrt - transformers| / max |logit| (a request's
+    largest reference logit) over every logit of every position the requests sampled at,
+    transformers' forward running with its eager attention, the library's reference
     (transformers 5.17's default SDPA path drops Gemma2's attention soft-cap: 4e-2 off);
     the model's own implementation is put back afterwards."""
     configs = _configs(hf.config)
     before = [c._attn_implementation_internal for c in configs]
     hf.set_attn_implementation("eager")
     try:
-        worst = 0.0
+        worst, squares, count = 0.0, 0.0, 0
         for req in requests:
             want = reference_logits(hf, req, device)
             scale = want.abs().max().item()
             for pos, got in req.logits:
-                worst = max(worst, (got - want[pos]).abs().max().item() / scale)
+                err = (got - want[pos]).abs() / scale
+                worst = max(worst, err.max().item())
+                squares += err.double().square().sum().item()
+                count += err.numel()
     finally:
         for c, impl in zip(configs, before):
             c._attn_implementation_internal = impl
-    return worst
+    return worst, (squares / count) ** 0.5 if count else 0.0
 
 
 def _configs(config) -> list:
