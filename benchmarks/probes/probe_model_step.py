@@ -1,7 +1,7 @@
 """Question: where does a replayed decode step of a real decoder spend its GPU time, eager
 and compiled (``Runtime(compile=True)``)? The bench model's llama-1b at batch 1 and 8
 (prompt 512), four replayed decode steps under the torch profiler, kernel time summed by
-kind: graphrt's attention, GEMMs, Inductor's fused Triton kernels, other; and the step's
+kind: graphrt's attention, graphrt's small_linear, cuBLAS GEMMs, Inductor's fused Triton kernels, other; and the step's
 wall time over those kernels' sum (what is left is gaps between graph nodes).
 
     python3 benchmarks/probes/probe_model_step.py [--batches 1,8] [--out DIR]
@@ -20,6 +20,8 @@ import torch
 def kind_of(name: str) -> str:
     if any(k in name for k in ("_attn_kernel", "_merge_kernel", "_write_kv_kernel")):
         return "graphrt attention"
+    if "_linear_kernel" in name:
+        return "graphrt linear"
     if any(k in name.lower() for k in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk")):
         return "gemm"
     if name.startswith("triton_"):
