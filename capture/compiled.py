@@ -52,7 +52,7 @@ class CompileOptions:
     options:   Inductor config overrides (``torch.compile(options=...)``).
     attention_calls: graphrt attention calls one step makes (default: the runtime's
                number of layers); the compiled graphs must hold exactly that many.
-    small_linear: with Inductor, run the step's fp16/bf16 matmuls of at most 64 rows
+    small_linear: with Inductor, run the step's fp16/bf16 matmuls of at most 32 rows
                through graphrt's ``small_linear`` where it measured faster than cuBLAS, the
                ones that share an input in one launch (``graphrt.capture.linear_pass``).
     """

@@ -9,7 +9,7 @@ weight. This pass, run by Inductor before its own post-grad passes (``CompileOpt
 ``small_linear``), replaces them where graphrt's kernel measured faster on an H100
 (benchmarks/probes/probe_linear.py at d481a37, a whole step's linear layers as one graph):
 one row always (Llama-1B 960 µs a step against cuBLAS' 1250; 8B 5.07 ms against 5.90),
-and at 2 to 64 rows a group that shares its input (q/k/v: 7.6 µs against three cuBLAS
+and at 2 to 32 rows a group that shares its input (q/k/v: 7.6 µs against three cuBLAS
 launches' 17.8) or an output of 32768 rows or more (the LM head), where single narrow
 projections stay with cuBLAS (o: 6.4 µs against graphrt's 6.9).
 """
@@ -22,7 +22,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 aten = torch.ops.aten
-MAX_ROWS = 64
+MAX_ROWS = 32                 # the rows measured (probe_linear: 1, 8, 32); more go to cuBLAS
 WIDE_OUTPUT = 32768
 DTYPES = (torch.float16, torch.bfloat16)
 

@@ -98,16 +98,20 @@ def block_rows(m: int) -> int:
     return 1 if m == 1 else max(16, triton.next_power_of_2(m))
 
 
-def default_linear_config(m: int, n: int, k: int) -> LinearConfig:
-    """The config for m rows against weights of n rows in all (k columns): a static table,
-    picked before capture, from a sweep on an H100 of Llama-1B/8B's shapes
-    (benchmarks/probes/probe_linear.py at d481a37; µs, this config against the sweep's best):
-    one row, 4 x 1024 tiles (narrow programs: 32k+ of them keep every SM's loads in flight;
-    8 warps for outputs of 2048 or fewer); more rows, ``tl.dot`` tiles of 64 x 128 for wide
-    outputs (gate/up, the LM head), 32 x 256 for a q/k/v group, 16 x 256 for the rest, with
-    three stages of loads in flight."""
+def default_linear_config(m: int, n: int, k: int, itemsize: int = 2) -> LinearConfig:
+    """The config for m rows against weights of n rows in all (k columns) of ``itemsize``
+    bytes: a static table, picked before capture, from a sweep on an H100 of Llama-1B/8B's
+    shapes at 1, 8 and 32 rows (benchmarks/probes/probe_linear.py at d481a37): one row, 4 x
+    1024 tiles (narrow programs: 32k+ of them keep every SM's loads in flight; 8 warps for
+    outputs of 2048 or fewer); up to 32 rows, ``tl.dot`` tiles of 64 x 128 for wide outputs
+    (gate/up, the LM head), 32 x 256 for a q/k/v group, 16 x 256 for the rest, three stages
+    of loads in flight. 33 to 64 rows (not swept) and fp32 take 16 x 128 tiles in two stages:
+    64 rows with the 16 x 256 tiles in three stages asked for 240 KB of shared memory on the
+    H100 (232 KB there)."""
     if m == 1:
         return LinearConfig(block_n=4, block_k=1024, num_warps=8 if n <= 2048 else 4)
+    if block_rows(m) > 32 or itemsize > 2:
+        return LinearConfig(block_n=16, block_k=128, num_stages=2)
     if n >= 16384:
         return LinearConfig(block_n=64, block_k=128, num_stages=3)
     if n >= 3072:
@@ -147,7 +151,7 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
             check_tensor(f"biases[{i}]", b, dim=1, dtypes=(x.dtype,), device=x.device)
             if b.shape[0] != w.shape[0]:
                 raise ValueError(f"biases[{i}] has {b.shape[0]} entries, weights[{i}] {w.shape[0]} rows")
-    cfg = config or default_linear_config(m, sum(w.shape[0] for w in weights), k)
+    cfg = config or default_linear_config(m, sum(w.shape[0] for w in weights), k, x.element_size())
     if not isinstance(cfg, LinearConfig):
         raise TypeError(f"config must be a LinearConfig, got {type(cfg).__name__}")
     bm = block_rows(m)
