@@ -78,12 +78,23 @@ def _input_key(x: torch.fx.Node):
     return x
 
 
+def _mutates(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return bool(schema is not None and schema.is_mutable)
+
+
 def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",)) -> int:
     """Rewrite ``graph`` in place (see the module's docstring); returns how many matmuls
     went to small_linear."""
     import graphrt.kernels.ops  # noqa: F401  (registers torch.ops.graphrt.small_linear)
 
     order = {n: i for i, n in enumerate(graph.nodes)}
+    # mutations seen before each node: a group never spans one (a later matmul moved before
+    # an in-place write would read what the write had not yet written)
+    mutations, seen = {}, 0
+    for n in graph.nodes:
+        mutations[n] = seen
+        seen += _mutates(n)
     by_input: dict[torch.fx.Node, list] = {}
     for node in graph.nodes:
         found = _candidate(node, devices)
@@ -96,6 +107,7 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
             # one launch: up to three weights (all with biases or none), each defined before
             # the first matmul, where the launch goes
             group = [first] + [m for m in rest if (m[3] is None) == (first[3] is None)
+                               and mutations[m[0]] == mutations[first[0]]
                                and order[m[2]] < order[first[0]]
                                and (m[3] is None or order[m[3]] < order[first[0]])][:2]
             members = [m for m in members if m not in group]

@@ -126,3 +126,30 @@ def test_linear_pass_groups_shared_inputs(rows, device):
     else:
         assert (replaced, calls, len(mms)) == (0, [], 8)
     assert_close("logits", gm(*args), want, 1e-2, 1e-2, seed)
+
+
+def test_linear_pass_never_groups_across_a_write(device):
+    """Two matmuls of one input with an in-place write to it in between (a graph that is not
+    functional) stay two launches, each reading what it read before the rewrite."""
+    from graphrt.capture.linear_pass import group_small_linears
+
+    aten = torch.ops.aten
+    seed = fresh_seed()
+    _, gen = rngs(seed)
+    vals = [torch.randn(*s, generator=gen).to(device, torch.float16) for s in ((1, 32), (24, 32), (40, 32))]
+    g = torch.fx.Graph()
+    x, w1, w2 = (g.placeholder(n) for n in ("x", "w1", "w2"))
+    for node, v in zip((x, w1, w2), vals):
+        node.meta["val"] = v
+    a = g.call_function(aten.mm.default, (x, g.call_function(aten.t.default, (w1,))))
+    g.call_function(aten.mul_.Tensor, (x, 2))
+    b = g.call_function(aten.mm.default, (x, g.call_function(aten.t.default, (w2,))))
+    g.output((a, b))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    want = gm(*[v.clone() for v in vals])
+    assert group_small_linears(gm.graph, devices=(device.type,)) == 2
+    gm.recompile()
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.graphrt.small_linear.default]
+    assert [len(c.args[1]) for c in calls] == [1, 1]
+    for name, got, w in zip(("a", "b"), gm(*[v.clone() for v in vals]), want):
+        assert_close(name, got, w.double(), 1e-2, 1e-2, seed)
