@@ -179,12 +179,16 @@ def test_compiled_step_without_graphrt_attention_is_refused(device):
     (dict(options={"triton.cudagraphs": True}), "cudagraphs must stay off"),
     (dict(attention_calls=-1), "attention_calls"),
     (dict(backend=""), "backend"),
-], ids=["reduce-overhead", "unknown-mode", "cudagraphs-option", "negative-calls", "empty-backend"])
+    (dict(options={"post_grad_custom_pre_pass": None}), "small_linear=False"),
+], ids=["reduce-overhead", "unknown-mode", "cudagraphs-option", "negative-calls", "empty-backend", "own-pass"])
 def test_compile_options_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CompileOptions(**kwargs)
     with pytest.raises(TypeError, match="compile must be"):
         Runtime(small_cfg(), lambda ctx: None, num_layers=1, device="cpu", compile="yes")
+    with pytest.raises(TypeError, match="small_linear must be a bool"):
+        CompileOptions(small_linear=1)
+    CompileOptions(small_linear=False, options={"post_grad_custom_pre_pass": None})    # their own pass: fine
 
 
 @pytest.mark.gpu
