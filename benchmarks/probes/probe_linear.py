@@ -95,7 +95,7 @@ def main() -> None:
             for rows in [int(r) for r in args.rows.split(",")]:
                 x = torch.randn(rows, k, device=dev, dtype=dt)
                 res = dict(model=model, shape=name, n=ns, k=k, rows=rows, mbytes=nbytes / 1e6)
-                res["cublas_us"] = graph_us([lambda w=w, wi=wi: F.linear(x, wi) for w in ws for wi in w]) / copies
+                res["cublas_us"] = graph_us([lambda wi=wi: F.linear(x, wi) for w in ws for wi in w]) / copies
                 res["cublas_cat_us"] = graph_us([lambda c=c: F.linear(x, c) for c in cat]) / copies
                 ref = F.linear(x.float(), cat[0].float())
                 got = torch.cat(small_linear(x, ws[0]), dim=1).float()
