@@ -109,7 +109,33 @@ def kernels(small: bool = False) -> int:
                             workspace=split_workspace(t, 8, 64, splits, dev) if splits > 1 else None,
                             max_query_len=1 if trial % 2 else None, new_kv=(k, k))
             launches += 1
+    launches += linear(small)
     torch.cuda.synchronize()
+    return launches
+
+
+def linear(small: bool = False) -> int:
+    """small_linear (the compiled step's matmuls of few rows): one row (elementwise) and
+    17 / 33 / 64 rows (``tl.dot``), one to three weights of odd sizes, with and without
+    biases, x a strided view; small: the bf16 shapes of a decode step."""
+    from graphrt.kernels import LinearConfig, small_linear
+
+    dev = torch.device("cuda")
+    dtypes = (torch.bfloat16,) if small else (torch.bfloat16, torch.float16, torch.float32)
+    launches = 0
+    for dtype in dtypes:
+        for m in (1, 17) if small else (1, 2, 17, 33, 64):
+            for k, ns in ((200, (37,)), (264, (100, 24, 24)), (512, (300, 77))):
+                base = torch.randn(m, k + 8, device=dev, dtype=dtype)
+                x = base[:, 3:3 + k]                          # rows of stride k + 8
+                ws = [torch.randn(n, k, device=dev, dtype=dtype) for n in ns]
+                bs = [torch.randn(n, device=dev, dtype=dtype) for n in ns]
+                small_linear(x, ws)
+                small_linear(x, ws, bs)
+                launches += 2
+                if m > 1 and not small:                       # a tile wider than every output
+                    small_linear(x, ws, config=LinearConfig(block_n=64, block_k=64, num_stages=2))
+                    launches += 1
     return launches
 
 
