@@ -121,3 +121,53 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     else:
         k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
         v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def sampling_keep(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float):
+    """One row's kept tokens and their probabilities in float64, by sorting: the top k
+    logits (ties at the k-th all kept; 0 or >= V: all), then the smallest top set of those
+    whose softmax mass at ``temperature`` reaches ``top_p`` (ties kept), then the tokens of
+    probability >= ``min_p`` times the largest. Returns (keep [V] bool, probs [V] float64,
+    0 outside keep); greedy (temperature 0) keeps the first maximum alone."""
+    x = logits.double().nan_to_num(nan=-math.inf)
+    v = x.shape[0]
+    keep = torch.zeros(v, dtype=torch.bool)
+    m = x.max()
+    if temperature <= 0 or m == -math.inf:
+        keep[int(torch.argmax(x))] = True          # torch.argmax: the first maximum
+        return keep, keep.double()
+    keep = x > -math.inf
+    values = x.sort(descending=True).values
+    if 0 < top_k < v:
+        keep &= x >= values[top_k - 1]
+    w = torch.where(keep, torch.exp((x - m) / temperature), 0.0)
+    if top_p < 1:
+        kept = torch.where(keep, x, -math.inf).sort(descending=True).values
+        mass = torch.cumsum(torch.exp((kept - m) / temperature), 0)
+        # the first sorted position whose top set reaches p of the mass, ties with it included
+        at = int(torch.nonzero(mass >= top_p * w.sum())[0]) if bool((mass >= top_p * w.sum()).any()) else v - 1
+        keep &= x >= kept[at]
+    keep &= torch.exp((x - m) / temperature) >= min_p
+    w = torch.where(keep, torch.exp((x - m) / temperature), 0.0)
+    return keep, w / w.sum()
+
+
+def sample(logits: torch.Tensor, temperature, top_k, top_p, min_p, seed, counter) -> torch.Tensor:
+    """[S] int64: each row's draw, Gumbel-max over ``sampling_keep``'s set in float64 with
+    the kernel's Philox uniforms (``graphrt.kernels.sampling.philox_uniform``), so that a
+    kernel's draw can be compared token for token."""
+    import numpy as np
+
+    from .sampling import philox_uniform
+
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    for i, row in enumerate(logits.cpu()):
+        keep, _ = sampling_keep(row, float(temperature[i]), int(top_k[i]), float(top_p[i]), float(min_p[i]))
+        x = row.double().nan_to_num(nan=-math.inf)
+        if float(temperature[i]) <= 0 or int(keep.sum()) == 1:
+            out[i] = int(torch.nonzero(keep)[0])
+            continue
+        u = torch.from_numpy(philox_uniform(int(seed[i]), int(counter[i]), np.arange(row.shape[0]))).double()
+        g = (x - x.max()) / float(temperature[i]) - torch.log(-torch.log(u))
+        out[i] = int(torch.argmax(torch.where(keep, g, -math.inf)))
+    return out

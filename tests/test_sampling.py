@@ -1,0 +1,270 @@
+"""graphrt.kernels.sampling.sample (a row's next token from its logits, settings read from
+device tensors) against the float64 reference (kernels/reference.py: sorting, the same
+Philox uniforms), transformers' own logits warpers (the kept sets) and the softmax it
+should draw from (a chi-square test); SamplingParams' checks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from _cases import fresh_seed, rngs
+from graphrt.kernels import reference
+from graphrt.kernels.sampling import philox_uniform, sample
+from graphrt.sampling import GREEDY, SamplingParams
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def settings(rows: list[tuple], device) -> dict:
+    """Device tensors of per-row (temperature, top_k, top_p, min_p, seed, counter)."""
+    cols = list(zip(*rows))
+    return dict(temperature=torch.tensor(cols[0], dtype=torch.float32, device=device),
+                top_k=torch.tensor(cols[1], dtype=torch.int32, device=device),
+                top_p=torch.tensor(cols[2], dtype=torch.float32, device=device),
+                min_p=torch.tensor(cols[3], dtype=torch.float32, device=device),
+                seed=torch.tensor(cols[4], dtype=torch.int64, device=device),
+                counter=torch.tensor(cols[5], dtype=torch.int64, device=device))
+
+
+def kept(logits: torch.Tensor, lowest: torch.Tensor) -> torch.Tensor:
+    """[S, V] bool: the kernel's kept set, every logit at or above its row's lowest kept."""
+    x = logits.float().cpu().nan_to_num(nan=-math.inf)
+    return (x >= lowest.cpu()[:, None]) & (x > -math.inf)
+
+
+def draw_gap(row: torch.Tensor, keep: torch.Tensor, t: float, seed: int, counter: int) -> float:
+    """How far apart the reference's two best Gumbel scores are (a near tie may go either way
+    between the kernel's fp32 and the reference's float64)."""
+    x = row.double().nan_to_num(nan=-math.inf)
+    u = torch.from_numpy(philox_uniform(seed, counter, np.arange(row.shape[0]))).double()
+    g = torch.where(keep, (x - x.max()) / t - torch.log(-torch.log(u)), -math.inf).sort(descending=True).values
+    return float(g[0] - g[1]) if keep.sum() > 1 else math.inf
+
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
+          pytest.param(torch.bfloat16, id="bf16")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 17, 1000, 2500], ids=lambda v: f"V{v}")
+def test_sample_matches_reference(dtype, vocab, device):
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    s = 12
+    logits = (torch.randn(s, vocab, generator=gen) * 3).to(device=device, dtype=dtype)
+    logits[3, : vocab // 2] = -math.inf                     # a masked part of the vocabulary
+    rows = [(float(rng.choice([0.0, 0.3, 1.0, 2.0])), int(rng.choice([0, 1, 5, vocab, vocab + 3])),
+             float(rng.choice([1.0, 0.9, 0.5, 0.05])), float(rng.choice([0.0, 0.1, 0.5])),
+             int(rng.integers(0, 2 ** 62)), int(rng.integers(0, 2 ** 40))) for _ in range(s)]
+    rows[0] = (1.0, 0, 1.0, 0.0, 7, 0)                      # plain sampling
+    rows[1] = (0.0, 0, 1.0, 0.0, 7, 0)                      # greedy
+    args = settings(rows, device)
+    lowest = torch.empty(s, dtype=torch.float32, device=device)
+    ids = sample(logits, **args, lowest=lowest)
+    ref = reference.sample(logits.cpu(), *(args[k].cpu() for k in ("temperature", "top_k", "top_p", "min_p",
+                                                                     "seed", "counter")))
+    got = kept(logits, lowest)
+    for i, (t, k, p, mp, sd, c) in enumerate(rows):
+        keep, _ = reference.sampling_keep(logits[i].cpu(), t, k, p, mp)
+        assert torch.equal(got[i], keep), (f"row {i} {rows[i]} (seed {seed}): kept {int(got[i].sum())} tokens, "
+                                           f"the reference {int(keep.sum())}; differ at "
+                                           f"{torch.nonzero(got[i] != keep).flatten()[:8].tolist()}")
+        if int(ids[i]) != int(ref[i]):
+            gap = draw_gap(logits[i].cpu(), keep, t, sd, c)
+            assert gap < 1e-4, f"row {i} {rows[i]} (seed {seed}): drew {int(ids[i])}, the reference {int(ref[i])}"
+        assert bool(keep[int(ids[i])]), f"row {i}: drew {int(ids[i])} outside the kept set"
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param((0.7, 0, 1.0, 0.0), id="temperature"),
+    pytest.param((1.0, 10, 1.0, 0.0), id="top-k"),
+    pytest.param((1.3, 0, 0.8, 0.0), id="top-p"),
+    pytest.param((1.0, 0, 1.0, 0.05), id="min-p"),
+    pytest.param((0.8, 40, 0.9, 0.02), id="all-three"),
+    pytest.param((1.0, 1, 1.0, 0.0), id="top-k-1"),
+    pytest.param((2.0, 0, 1e-6, 0.0), id="top-p-tiny"),
+])
+def test_kept_set_matches_transformers(case):
+    """The kept set equals transformers' warpers in generate's order (temperature, top-k,
+    top-p, min-p), checked with transformers 5.25 and 5.17."""
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    t, k, p, mp = case
+    seed = fresh_seed()
+    _, gen = rngs(seed)
+    logits = torch.randn(6, 300, generator=gen) * 2.5
+    logits[2, 100:] = -math.inf
+    scores = lp.TemperatureLogitsWarper(t)(None, logits.clone())
+    if k:
+        scores = lp.TopKLogitsWarper(k)(None, scores)
+    if p < 1:
+        scores = lp.TopPLogitsWarper(p)(None, scores)
+    if mp:
+        scores = lp.MinPLogitsWarper(mp)(None, scores)
+    theirs = scores > -math.inf
+    lowest = torch.empty(6)
+    sample(logits, **settings([(t, k, p, mp, 1, 2)] * 6, "cpu"), lowest=lowest)
+    ours = kept(logits, lowest)
+    assert torch.equal(ours, theirs), f"seed {seed}: {(ours != theirs).sum(1).tolist()} tokens differ per row"
+
+
+@pytest.mark.parametrize("case,n", [
+    pytest.param((1.5, 0, 1.0, 0.0), 2000, id="plain"),
+    pytest.param((1.0, 0, 1.0, 0.05), 2000, id="min-p"),
+    # top-k and top-p thresholds take 16 more passes a row: ~0.2 s a row in the interpreter
+    pytest.param((0.8, 10, 0.9, 0.02), 20000, id="all-three", marks=pytest.mark.gpu),
+])
+def test_draws_follow_the_kept_softmax(case, n, device):
+    """n draws of one row (counters 0..n-1) against the reference's renormalised softmax
+    over the kept set: a chi-square test at significance 0.001 (the draws are a fixed
+    function of seed and counter, so the outcome is the same on every run), and no draw
+    outside the kept set."""
+    t, k, p, mp = case
+    logits = torch.linspace(-2.0, 2.0, 24)[torch.randperm(24, generator=torch.Generator().manual_seed(3))]
+    args = settings([(t, k, p, mp, 11, c) for c in range(n)], device)
+    ids = sample(logits.to(device)[None, :].expand(n, 24), **args).cpu()
+    keep, probs = reference.sampling_keep(logits, t, k, p, mp)
+    counts = torch.bincount(ids, minlength=24).double()
+    assert counts[~keep].sum() == 0, f"drew outside the kept set: {torch.nonzero(counts * ~keep).flatten().tolist()}"
+    expected = n * probs[keep]
+    assert expected.min() >= 5, "the case needs >= 5 expected draws per kept token for the test to hold"
+    assert int(keep.sum()) < 24 or mp == 0, "a filtering case must filter"
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(stat / 2, dtype=torch.float64)))
+    assert p_value > 1e-3, f"chi-square {stat:.1f} on {dof} degrees of freedom: p = {p_value:.2e}"
+
+
+def test_sampling_edges():
+    ninf = -math.inf
+    cases = [   # (logits, (temperature, top_k, top_p, min_p), the ids every draw may give)
+        ([1.0, 3.0, 3.0, 2.0], (0.0, 0, 1.0, 0.0), {1}),                     # greedy: the first maximum
+        ([2.0, 2.0, 2.0, 2.0], (1.0, 1, 1.0, 0.0), {0, 1, 2, 3}),            # ties at the k-th all kept
+        ([0.0, 5.0, 1.0, 2.0], (1.0, 1, 1.0, 0.0), {1}),                     # top-k 1
+        ([0.0, 5.0, 1.0, 2.0], (1.0, 4, 1.0, 0.0), {0, 1, 2, 3}),            # k = vocab: off
+        ([0.0, 5.0, 1.0, 2.0], (1.0, 99, 1.0, 0.0), {0, 1, 2, 3}),           # k > vocab: off
+        ([0.0, 5.0, 1.0, 2.0], (1.0, 0, 1e-6, 0.0), {1}),                    # top-p: only the top token
+        ([0.0, 9.0, 1.0, 2.0], (1.0, 0, 1.0, 0.9), {1}),                     # min-p: all but one filtered
+        ([ninf, ninf, ninf], (1.0, 0, 1.0, 0.0), {0}),                       # nothing finite: 0
+        ([math.nan, 1.0, math.nan], (1.0, 0, 1.0, 0.0), {1}),                # NaN counts as -inf
+        ([ninf, 0.5, ninf, 0.2], (5.0, 0, 1.0, 0.0), {1, 3}),                # masked tokens never drawn
+        ([4.0], (1.0, 3, 0.5, 0.5), {0}),                                    # one token
+    ]
+    for logits, (t, k, p, mp), allowed in cases:
+        n = 32
+        row = torch.tensor(logits)
+        ids = sample(row[None, :].expand(n, row.shape[0]), **settings([(t, k, p, mp, 5, c) for c in range(n)], "cpu"))
+        drawn = set(ids.tolist())
+        assert drawn <= allowed, f"{logits} {(t, k, p, mp)}: drew {sorted(drawn)}, allowed {sorted(allowed)}"
+        if len(allowed) > 1:      # 32 draws from two or more tokens: more than one of them
+            assert len(drawn) > 1, f"{logits} {(t, k, p, mp)}: 32 draws all gave {drawn}"
+
+
+def test_same_seed_and_counter_draw_the_same_token_in_any_batch(device):
+    """A row's draw depends on its logits, settings, seed and counter only: not on the
+    batch it shares or its place in it."""
+    _, gen = rngs(fresh_seed())
+    row = (torch.randn(500, generator=gen) * 2).to(device)
+    mine = (0.9, 50, 0.95, 0.0, 1234, 77)
+    alone = sample(row[None], **settings([mine], device))
+    others = torch.randn(5, 500, generator=gen).to(device)
+    batch = torch.cat([others[:3], row[None], others[3:]])
+    rows = [(1.0, 0, 1.0, 0.0, i, i) for i in range(3)] + [mine] + [(0.5, 3, 1.0, 0.0, 9, 9)] * 2
+    assert int(sample(batch, **settings(rows, device))[3]) == int(alone[0])
+    # other counters draw other tokens (not one token for every counter)
+    many = sample(row[None].expand(64, 500), **settings([(*mine[:5], c) for c in range(64)], device))
+    assert len(set(many.tolist())) > 5
+
+
+def test_sample_refuses_bad_input(device):
+    logits = torch.zeros(2, 8, device=device)
+    good = settings([(1.0, 0, 1.0, 0.0, 0, 0)] * 2, device)
+    with pytest.raises(TypeError, match="top_k must have dtype"):
+        sample(logits, **{**good, "top_k": good["top_k"].long()})
+    with pytest.raises(ValueError, match="seed must have one entry per row of logits"):
+        sample(logits, **{**good, "seed": good["seed"][:1]})
+    with pytest.raises(ValueError, match="logits must have 2 dims"):
+        sample(logits[0], **good)
+    with pytest.raises(ValueError, match="out must have 2 entries"):
+        sample(logits, **good, out=torch.zeros(3, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="at least one column"):
+        sample(torch.zeros(2, 0, device=device), **good)
+    assert sample(torch.zeros(0, 8, device=device), **settings([(1.0, 0, 1.0, 0.0, 0, 0)], device)
+                  | {k: v[:0] for k, v in good.items()}).shape == (0,)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(temperature=-0.5), ValueError, "temperature must be >= 0"),
+    (dict(temperature=math.nan), ValueError, "temperature must be finite"),
+    (dict(temperature=1e-35), ValueError, "temperature must be 0 .greedy. or >= 1e-30"),
+    (dict(temperature="1"), TypeError, "temperature must be a float"),
+    (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(top_p=math.nan), ValueError, "top_p must be finite"),
+    (dict(top_k=-1), ValueError, r"top_k must be in \[0, 2147483648\)"),
+    (dict(top_k=2.0), TypeError, "top_k must be an int"),
+    (dict(top_k=True), TypeError, "top_k must be an int"),
+    (dict(min_p=1.0), ValueError, r"min_p must be in \[0, 1\)"),
+    (dict(min_p=-0.1), ValueError, r"min_p must be in \[0, 1\)"),
+    (dict(seed=-1), ValueError, "seed must be in"),
+    (dict(seed=2 ** 63), ValueError, "seed must be in"),
+], ids=lambda v: str(v) if isinstance(v, dict) else "")
+def test_sampling_params_refuse_bad_settings(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_fill():
+    n = 5
+    arrays = dict(temperature=np.full(n, 9, np.float32), top_k=np.full(n, 9, np.int32),
+                  top_p=np.full(n, 9, np.float32), min_p=np.full(n, 9, np.float32), seed=np.full(n, 9, np.int64))
+    SamplingParams.fill([SamplingParams(0.7, 20, 0.9, 0.05, 3), GREEDY], **arrays)
+    assert arrays["temperature"].tolist() == [pytest.approx(0.7), 0, 0, 0, 0]
+    assert arrays["top_k"].tolist() == [20, 0, 0, 0, 0] and arrays["seed"].tolist() == [3, 0, 0, 0, 0]
+    assert arrays["top_p"].tolist() == [pytest.approx(0.9), 1, 1, 1, 1]
+    assert arrays["min_p"].tolist() == [pytest.approx(0.05), 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="6 sampling settings for 5 rows"):
+        SamplingParams.fill([GREEDY] * 6, **arrays)
+    with pytest.raises(TypeError, match=r"params\[1\] must be a SamplingParams"):
+        SamplingParams.fill([GREEDY, 0.5], **arrays)
+
+
+@pytest.mark.gpu
+def test_sample_on_the_gpu_replayed():
+    """bf16 logits of a Llama-3 vocabulary: the kernel against the reference, then captured
+    once in a CUDA graph and replayed with other logits and settings written in place."""
+    dev = torch.device("cuda")
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    s, v = 8, 128256
+    logits = torch.empty(s, v, dtype=torch.bfloat16, device=dev)
+    args = settings([(1.0, 0, 1.0, 0.0, 0, 0)] * s, dev)
+    out = torch.empty(s, dtype=torch.int64, device=dev)
+    lowest = torch.empty(s, dtype=torch.float32, device=dev)
+    logits.copy_(torch.randn(s, v, generator=gen) * 3)
+    sample(logits, **args, out=out, lowest=lowest)            # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sample(logits, **args, out=out, lowest=lowest)
+    for trial in range(3):
+        rows = [(float(rng.choice([0.0, 0.6, 1.0])), int(rng.choice([0, 1, 50, v])), float(rng.choice([1.0, 0.9, 0.3])),
+                 float(rng.choice([0.0, 0.05])), int(rng.integers(0, 2 ** 62)), int(rng.integers(0, 2 ** 40)))
+                for _ in range(s)]
+        for name, t in settings(rows, dev).items():
+            args[name].copy_(t)
+        logits.copy_(torch.randn(s, v, generator=gen) * 3)
+        graph.replay()
+        eager = sample(logits, **args)
+        ref = reference.sample(logits.cpu(), *(args[k].cpu() for k in ("temperature", "top_k", "top_p", "min_p",
+                                                                         "seed", "counter")))
+        assert torch.equal(out, eager), f"trial {trial} (seed {seed}): replay {out.tolist()}, eager {eager.tolist()}"
+        got = kept(logits, lowest)
+        for i, (t, k, p, mp, sd, c) in enumerate(rows):
+            keep, _ = reference.sampling_keep(logits[i].cpu(), t, k, p, mp)
+            assert torch.equal(got[i], keep), f"trial {trial} row {i} {rows[i]} (seed {seed}): kept sets differ"
+            if int(out[i]) != int(ref[i]):
+                assert draw_gap(logits[i].cpu(), keep, t, sd, c) < 1e-4, f"trial {trial} row {i}: {rows[i]}"
