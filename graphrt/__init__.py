@@ -4,6 +4,7 @@ import importlib
 
 from graphrt.config import RuntimeConfig
 from graphrt.kernels.metadata import AttentionMetadata
+from graphrt.sampling import SamplingParams
 from graphrt.step import SeqStep, Step, build_metadata, validate_ranges
 
 __version__ = "0.1.0"
@@ -13,7 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {"Runtime": "graphrt.runtime", "StepContext": "graphrt.runtime", "StepInfo": "graphrt.runtime",
          "ReferenceRunner": "graphrt.checking"}
 
-__all__ = ["AttentionMetadata", "RuntimeConfig", "SeqStep", "Step", "build_metadata", "validate_ranges", *_LAZY]
+__all__ = ["AttentionMetadata", "RuntimeConfig", "SamplingParams", "SeqStep", "Step", "build_metadata", "validate_ranges", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -14,6 +14,11 @@ field 16-byte aligned):
     prefix_ranges    [S, R, 2]  int32  half-open ranges, empty (0, 0) when unused
     embed_index      [T]        int32  row of ``inputs_embeds`` holding the token's input
                                        embedding, -1 = none (only when cfg.embed_dim > 0)
+    temperature      [S]        float32  each sequence's sampling settings (only when
+    top_k            [S]        int32    cfg.sampling; ``graphrt.sampling.SamplingParams``),
+    top_p            [S]        float32  read by ``StepContext.sample``; padding samples
+    min_p            [S]        float32  greedily (temperature 0)
+    seed             [S]        int64
     block_table      [B, S]     int32  stored column-major (block j of every sequence
                                        together), seen by the kernels as an [S, B] view
 
@@ -31,6 +36,7 @@ past its sequence's length, so columns left over from older steps are harmless.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -39,9 +45,43 @@ import torch
 
 from graphrt.config import RuntimeConfig
 from graphrt.kernels.metadata import AttentionMetadata
+from graphrt.sampling import SamplingParams
 from graphrt.step import Step
 
 _ALIGN = 16
+_ITEMSIZE = {np.int64: 8, np.int32: 4, np.float32: 4}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One staged field of the arena: its element type, its shape in a bucket, what an
+    all-padding step holds, and the option it comes with (None: always)."""
+
+    name: str
+    dtype: type                 # np.int64 / np.int32 / np.float32
+    rows: str                   # "tokens" [T], "seqs" [S], "seqs+1" [S + 1], "ranges" [S, R, 2],
+                                # "positions" [T] (one position row) or [P, T]
+    empty: int | float          # an all-padding step's value
+    option: str | None = None   # "embeds" (cfg.embed_dim > 0), "sampling" (cfg.sampling)
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")
+# The fields in arena order (the block table goes after them: see the module doc). A new
+# staged field is one entry here, plus what fills it in ``StepBuffers.pack``.
+FIELDS = (
+    Field("slot_mapping", np.int64, "tokens", -1),
+    Field("positions", np.int64, "positions", 0),
+    Field("input_ids", np.int64, "tokens", 0),
+    Field("query_start_loc", np.int32, "seqs+1", 0),
+    Field("seq_lens", np.int32, "seqs", 0),
+    Field("prefix_ranges", np.int32, "ranges", 0),
+    Field("embed_index", np.int32, "tokens", -1, "embeds"),
+    Field("temperature", np.float32, "seqs", 0.0, "sampling"),    # padding rows sample greedily
+    Field("top_k", np.int32, "seqs", 0, "sampling"),
+    Field("top_p", np.float32, "seqs", 1.0, "sampling"),
+    Field("min_p", np.float32, "seqs", 0.0, "sampling"),
+    Field("seed", np.int64, "seqs", 0, "sampling"),
+)
 
 
 @dataclass(frozen=True)
@@ -58,17 +98,15 @@ class Layout:
 
     @staticmethod
     def make(num_seqs: int, num_tokens: int, max_ranges: int, max_blocks: int, *, embeds: bool = False,
-             position_rows: int = 1) -> "Layout":
-        fields = [("slot_mapping", 8 * num_tokens), ("positions", 8 * position_rows * num_tokens),
-                  ("input_ids", 8 * num_tokens),
-                  ("query_start_loc", 4 * (num_seqs + 1)), ("seq_lens", 4 * num_seqs),
-                  ("prefix_ranges", 4 * num_seqs * max_ranges * 2)]
-        if embeds:
-            fields.append(("embed_index", 4 * num_tokens))
+             position_rows: int = 1, sampling: bool = False) -> "Layout":
+        options = (None, "embeds" if embeds else None, "sampling" if sampling else None)
+        counts = {"tokens": num_tokens, "seqs": num_seqs, "seqs+1": num_seqs + 1, "ranges": num_seqs * max_ranges * 2,
+                  "positions": position_rows * num_tokens}
         offsets, at = {}, 0
-        for name, nbytes in fields:
-            offsets[name] = at
-            at += -(-nbytes // _ALIGN) * _ALIGN
+        for f in FIELDS:         # (plain arithmetic: an eager step makes its layout, ~4 us)
+            if f.option in options:
+                offsets[f.name] = at
+                at += -(-counts[f.rows] * _ITEMSIZE[f.dtype] // _ALIGN) * _ALIGN
         return Layout(num_seqs, num_tokens, max_ranges, max_blocks, offsets, at, position_rows)
 
     @property
@@ -80,29 +118,32 @@ class Layout:
         return self.block_table_offset + 4 * block_columns * self.num_seqs
 
     def views(self, flat):
-        """Typed views of every field over ``flat``, a uint8 torch tensor or numpy array."""
-        lib = _TORCH if isinstance(flat, torch.Tensor) else _NUMPY
-        s, t, o = self.num_seqs, self.num_tokens, self.offsets
-
-        def view(name: str, itemsize: int, count: int):
-            return flat[o[name]: o[name] + count * itemsize].view(lib[itemsize])
-
-        bt = flat[self.block_table_offset: self.nbytes].view(lib[4]).reshape(self.max_blocks, s)
-        return dict(
-            slot_mapping=view("slot_mapping", 8, t),
-            # [T] for one position row (what most models read), [P, T] for several
-            positions=(view("positions", 8, t) if self.position_rows == 1 else
-                       view("positions", 8, self.position_rows * t).reshape(self.position_rows, t)),
-            input_ids=view("input_ids", 8, t),
-            query_start_loc=view("query_start_loc", 4, s + 1),
-            seq_lens=view("seq_lens", 4, s),
-            prefix_ranges=view("prefix_ranges", 4, s * self.max_ranges * 2).reshape(s, self.max_ranges, 2),
-            embed_index=view("embed_index", 4, t) if "embed_index" in o else None,
-            block_table=bt.T,                                     # [S, B], strides (1, S)
-        )
+        """Typed views over ``flat`` (a uint8 torch tensor or numpy array) of every field of
+        ``FIELDS`` (None where its option is off) and of the block table, [S, B] with strides
+        (1, S)."""
+        torch_flat = isinstance(flat, torch.Tensor)
+        views = {}
+        for f in FIELDS:
+            at = self.offsets.get(f.name)
+            if at is None:
+                views[f.name] = None
+                continue
+            shape = _shape(f.rows, self.num_seqs, self.num_tokens, self.max_ranges, self.position_rows)
+            nbytes = math.prod(shape) * _ITEMSIZE[f.dtype]
+            part = flat[at: at + nbytes]
+            views[f.name] = (part.view(_TORCH[f.dtype]) if torch_flat else part.view(f.dtype)).reshape(shape)
+        bt = flat[self.block_table_offset: self.nbytes]
+        bt = bt.view(torch.int32) if torch_flat else bt.view(np.int32)
+        views["block_table"] = bt.reshape(self.max_blocks, self.num_seqs).T
+        return views
 
 
-_TORCH = {4: torch.int32, 8: torch.int64}
+def _shape(rows: str, s: int, t: int, r: int, p: int) -> tuple:
+    return {"tokens": (t,), "seqs": (s,), "seqs+1": (s + 1,), "ranges": (s, r, 2),
+            "positions": (t,) if p == 1 else (p, t)}[rows]
+
+
+_TORCH = {np.int32: torch.int32, np.int64: torch.int64, np.float32: torch.float32}
 try:
     from graphrt._fast import copy_h2d as _copy_h2d
 except ImportError:           # built without the C helper (or an older build of it)
@@ -110,7 +151,6 @@ except ImportError:           # built without the C helper (or an older build of
 # (stream id, device index, device type) of a device's current stream, what
 # torch.cuda.current_stream() wraps in a new Stream object on every call
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
-_NUMPY = {4: np.int32, 8: np.int64}
 
 
 @dataclass
@@ -123,6 +163,7 @@ class DeviceViews:
     input_ids: torch.Tensor      # [T] int64
     embed_index: torch.Tensor | None     # [T] int32, -1 = no given embedding (None: embed_dim 0)
     inputs_embeds: torch.Tensor | None   # [T, embed_dim] cfg.dtype, rows packed from 0
+    sampling: dict | None = None         # [S] per field of SAMPLING_FIELDS (None: cfg.sampling off)
 
 
 class StepBuffers:
@@ -161,7 +202,8 @@ class StepBuffers:
     def layout(self, num_seqs: int, num_tokens: int) -> Layout:
         """The arena layout of a bucket of num_seqs sequences and num_tokens tokens."""
         return Layout.make(num_seqs, num_tokens, self.cfg.max_prefix_ranges, self.cfg.max_blocks_per_seq,
-                           embeds=self.cfg.embed_dim > 0, position_rows=self.cfg.position_rows)
+                           embeds=self.cfg.embed_dim > 0, position_rows=self.cfg.position_rows,
+                           sampling=self.cfg.sampling)
 
     def device_views(self, layout: Layout) -> DeviceViews:
         """Typed device views of the arena under ``layout``: the AttentionMetadata
@@ -174,16 +216,20 @@ class StepBuffers:
                                  block_table=v["block_table"], prefix_ranges=v["prefix_ranges"],
                                  slot_mapping=v["slot_mapping"])
         embeds = None if self.inputs_embeds is None else self.inputs_embeds[: layout.num_tokens]
-        return DeviceViews(layout, meta, v["positions"], v["input_ids"], v["embed_index"], embeds)
+        sampling = {name: v[name] for name in SAMPLING_FIELDS} if self.cfg.sampling else None
+        return DeviceViews(layout, meta, v["positions"], v["input_ids"], v["embed_index"], embeds, sampling)
 
     def pack(self, step: Step, layout: Layout, input_ids: np.ndarray | None = None,
-             embed_rows: np.ndarray | None = None, positions: np.ndarray | None = None) -> int:
+             embed_rows: np.ndarray | None = None, positions: np.ndarray | None = None,
+             sampling: list | None = None) -> int:
         """Write ``step`` (validated, fitting ``layout``) into the next free pinned slot and
         return the slot; ``embed_rows`` (checked) are the tokens whose embeddings the step
         brings, in the order of their rows; ``positions`` (checked, [P, num_tokens]) the
         tokens' position rows where the step gives them (default: each token's sequence
         position in every row). Waits on the GPU only when every slot still has a copy in
-        flight, that is when the host is ``ring`` steps ahead."""
+        flight, that is when the host is ``ring`` steps ahead. ``sampling`` (checked
+        ``SamplingParams``, one a sequence; None: greedy) fills the sampling fields where
+        cfg.sampling is on."""
         slot = self._next
         self._next = (slot + 1) % len(self.staging)
         event = self._events[slot]
@@ -217,6 +263,8 @@ class StepBuffers:
             index[:] = -1
             if embed_rows is not None:
                 index[embed_rows] = np.arange(len(embed_rows), dtype=np.int32)
+        if v["temperature"] is not None:
+            SamplingParams.fill(sampling or (), **{name: v[name] for name in SAMPLING_FIELDS})
         return slot
 
     def copy(self, slot: int, nbytes: int, *, strict: bool = False) -> int:
@@ -279,15 +327,10 @@ class StepBuffers:
                     pass
 
     def stage_empty(self, layout: Layout) -> None:
-        """An all-padding step (no tokens, slots -1): what warm-up and capture run on."""
+        """An all-padding step (no tokens, slots -1, greedy sampling): what warm-up and
+        capture run on."""
         v = layout.views(self.arena)
-        v["query_start_loc"].zero_()
-        v["seq_lens"].zero_()
-        v["prefix_ranges"].zero_()
+        for f in FIELDS:
+            if v[f.name] is not None:
+                v[f.name].fill_(f.empty)
         v["block_table"].zero_()
-        v["slot_mapping"].fill_(-1)
-        v["positions"].zero_()
-        v["input_ids"].zero_()
-        if v["embed_index"] is not None:
-            v["embed_index"].fill_(-1)
-

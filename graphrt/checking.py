@@ -19,7 +19,7 @@ from graphrt.step import Step, build_metadata
 
 
 class _ReferenceContext:
-    def __init__(self, runner: "ReferenceRunner", step: Step, input_ids, embeds, embed_rows, positions):
+    def __init__(self, runner: "ReferenceRunner", step: Step, input_ids, embeds, embed_rows, positions, sampling):
         self.meta, self.positions = build_metadata(step, runner.cfg, runner.device)   # [T]
         rows = runner.cfg.position_rows
         if positions is not None:
@@ -39,6 +39,17 @@ class _ReferenceContext:
                 self.inputs_embeds = embeds.to(runner.device)
             self.embed_index = torch.from_numpy(index).to(runner.device)
         self._runner = runner
+        self._sampling = sampling
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """[S] int64 drawn by the float64 reference with the runtime's uniforms (the same
+        settings and counters, each sequence's length), greedy where ``sampling`` is None."""
+        from graphrt.sampling import GREEDY
+
+        params = self._sampling or [GREEDY] * self.num_seqs
+        lengths = self.meta.seq_lens.cpu()
+        cols = [torch.tensor([getattr(p, f) for p in params]) for f in ("temperature", "top_k", "top_p", "min_p", "seed")]
+        return reference.sample(logits.cpu(), *cols, lengths).to(logits.device)
 
     def merge_embeds(self, x: torch.Tensor) -> torch.Tensor:
         return merge_embeds(x, self.inputs_embeds, self.embed_index)
@@ -77,8 +88,8 @@ class ReferenceRunner:
         self.v_caches = [torch.zeros(shape, dtype=cfg.cache_dtype, device=device) for _ in range(num_layers)]
 
     def step(self, step: Step, input_ids, *, embeds: torch.Tensor | None = None, embed_rows=None,
-             positions=None) -> Any:
-        """Run ``model_step`` on ``step`` (input_ids: [num_tokens] ints; embeds, embed_rows
-        and positions as ``Runtime.step`` takes them) with reference attention; returns
-        what the model step returns (unpadded: num_tokens rows)."""
-        return self.model_step(_ReferenceContext(self, step, input_ids, embeds, embed_rows, positions))
+             positions=None, sampling=None) -> Any:
+        """Run ``model_step`` on ``step`` (input_ids: [num_tokens] ints; embeds, embed_rows,
+        positions and sampling as ``Runtime.step`` takes them) with reference attention and
+        sampling; returns what the model step returns (unpadded: num_tokens rows)."""
+        return self.model_step(_ReferenceContext(self, step, input_ids, embeds, embed_rows, positions, sampling))

@@ -36,6 +36,9 @@ class RuntimeConfig:
     # KV-cache element type: None (dtype) or torch.float8_e4m3fn, which stores K / k_scale
     # and V / v_scale per layer and KV head (``Runtime.k_scales`` / ``v_scales``)
     kv_cache_dtype: torch.dtype | None = None
+    # per-sequence sampling settings in the step's one copy, for ``StepContext.sample``
+    # (temperature, top-k, top-p, min-p, seed: 24 bytes a sequence)
+    sampling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "num_blocks", "max_num_seqs",
@@ -51,6 +54,8 @@ class RuntimeConfig:
         if isinstance(self.position_rows, bool) or not isinstance(self.position_rows, int) \
                 or not 1 <= self.position_rows <= 4:
             raise ValueError(f"RuntimeConfig.position_rows must be an int in [1, 4], got {self.position_rows!r}")
+        if not isinstance(self.sampling, bool):
+            raise ValueError(f"RuntimeConfig.sampling must be a bool, got {self.sampling!r}")
         check_head_dim(self.head_dim, "RuntimeConfig.head_dim")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"RuntimeConfig.num_q_heads ({self.num_q_heads}) must be a multiple of "

@@ -28,6 +28,8 @@ from graphrt.buffers import DeviceViews, Layout, StepBuffers
 from graphrt.config import RuntimeConfig
 from graphrt.kernels import decode_splits, paged_attention, split_workspace, write_kv
 from graphrt.kernels.ops import attention_op
+from graphrt.kernels.ops import sample as sample_op
+from graphrt.sampling import SamplingParams
 from graphrt.step import Step
 from graphrt.tracing import Tracer
 from graphrt.capture import (Bucket, CapturedGraph, CompileOptions, GraphSet, StepCompiler, default_buckets,
@@ -50,6 +52,7 @@ class StepContext:
         self.inputs_embeds = views.inputs_embeds  # [T, embed_dim] given embeddings, rows packed from 0
         self.num_tokens = views.layout.num_tokens  # T: token capacity of this bucket
         self.num_seqs = views.layout.num_seqs     # S: sequence capacity of this bucket
+        self.sampling = views.sampling            # [S] settings per field (cfg.sampling), else None
         self._rt = runtime
         self._max_query_len = max_query_len
         self._num_splits = num_splits
@@ -63,6 +66,21 @@ class StepContext:
         """[S] int64 row of each sequence's last new token (where its next token is sampled);
         padded sequences point at row 0 or the step's last row."""
         return (self.meta.query_start_loc[1:] - 1).clamp_min(0).long()
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """[S] int64: each sequence's next token, drawn from its row of ``logits`` ([S, V],
+        its last token's) with the settings the step staged (``Runtime.step(..., sampling=)``)
+        and its length (context + new tokens) as the draw's counter: a request draws the
+        same token at the same length in any batch, eagerly or replayed. Needs
+        ``RuntimeConfig(sampling=True)``; padded sequences draw greedily."""
+        if self.sampling is None:
+            raise RuntimeError("StepContext.sample needs RuntimeConfig(sampling=True): the settings travel in the "
+                               "step's copy")
+        if logits.dim() != 2 or logits.shape[0] != self.num_seqs:
+            raise ValueError(f"logits must be [{self.num_seqs}, vocab] (one row per sequence of the bucket), got "
+                             f"{tuple(logits.shape)}")
+        s = self.sampling
+        return sample_op(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seed"], self.meta.seq_lens)
 
     def merge_embeds(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ([..., T, E] token embeddings) with the rows of tokens that brought an input
@@ -326,7 +344,7 @@ class Runtime:
 
     # ---------------------------------------------------------------- step
     def step(self, step: Step, input_ids: Any = None, *, embeds: torch.Tensor | None = None,
-             embed_rows: Any = None, positions: Any = None) -> Any:
+             embed_rows: Any = None, positions: Any = None, sampling: Sequence[SamplingParams] | None = None) -> Any:
         """Run one step. ``input_ids``: the step's token ids, [num_tokens] ints on the host
         (list, numpy, CPU tensor) or a device tensor (copied device-to-device), or None.
         ``embeds``: [n, cfg.embed_dim] input embeddings for n of the step's tokens, a tensor
@@ -337,6 +355,8 @@ class Runtime:
         position (``context_len + i``), host ints [cfg.position_rows, num_tokens] ([num_tokens]
         also taken with one row) in [0, 2**31); they travel in the step's one pinned copy.
         Default: the sequence position, in every row.
+        ``sampling``: one ``SamplingParams`` per sequence, for ``ctx.sample`` in the step
+        (needs ``RuntimeConfig(sampling=True)``; default: greedy); they travel in the one copy.
         Validates everything before touching a buffer; returns the step function's outputs."""
         if not isinstance(step, Step):
             raise TypeError(f"step must be a graphrt.Step, got {type(step).__name__}")
@@ -344,6 +364,7 @@ class Runtime:
         host_ids, device_ids = _check_input_ids(input_ids, step.num_tokens, self.device)
         rows = _check_embeds(embeds, embed_rows, step.num_tokens, self.cfg, self.device)
         host_positions = _check_positions(positions, step.num_tokens, self.cfg)
+        _check_sampling(sampling, step.num_seqs, self.cfg)
         n_seqs, n_tokens = step.num_seqs, step.num_tokens
         captured = self.graphs.pick(n_seqs, n_tokens, step.is_decode) if self.graphs else None
         if captured is not None:
@@ -360,7 +381,7 @@ class Runtime:
             nbytes = layout.copy_bytes(step.block_columns)
             tr = self.tracer
             if not tr.enabled:      # the same three stages with no range calls (a few us a step)
-                slot = self.buffers.pack(step, layout, host_ids, rows, host_positions)
+                slot = self.buffers.pack(step, layout, host_ids, rows, host_positions, sampling)
                 self._copy(ctx, slot, nbytes, strict, n_tokens, device_ids, embeds, rows)
                 outputs = self.graphs.replay(captured) if captured is not None else self.model_step(ctx)
             else:                   # three ranges, prebuilt per step shape, pushed here
@@ -368,7 +389,7 @@ class Runtime:
                 domain = tr.domain
                 domain.push_range(stage_range)
                 try:
-                    slot = self.buffers.pack(step, layout, host_ids, rows, host_positions)
+                    slot = self.buffers.pack(step, layout, host_ids, rows, host_positions, sampling)
                 finally:
                     domain.pop_range()
                 domain.push_range(copy_range)
@@ -402,6 +423,19 @@ _MISSING = torch.empty(0)     # stands for a deleted weight: address 0, which no
 def _weight(owner: dict, key: str) -> torch.Tensor:
     t = owner.get(key)
     return _MISSING if t is None else t
+
+
+def _check_sampling(sampling: Any, num_seqs: int, cfg: RuntimeConfig) -> None:
+    if sampling is None:
+        return
+    if not cfg.sampling:
+        raise ValueError("sampling settings need RuntimeConfig(sampling=True) (their fields in the step's copy)")
+    if not isinstance(sampling, (list, tuple)) or len(sampling) != num_seqs:
+        raise ValueError(f"sampling must be a list of {num_seqs} SamplingParams (one per sequence), got "
+                         f"{len(sampling) if isinstance(sampling, (list, tuple)) else type(sampling).__name__}")
+    for i, p in enumerate(sampling):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling[{i}] must be a graphrt.SamplingParams, got {type(p).__name__}")
 
 
 def _check_input_ids(input_ids: Any, num_tokens: int, device: torch.device):

@@ -7,6 +7,7 @@ functionalization and Inductor's re-inplacing keep the writes). Their fake
 implementations do nothing: every output is an argument. Eager code should call
 ``graphrt.kernels.write_kv`` / ``paged_attention`` directly (no dispatcher overhead);
 ``graphrt.StepContext.attention`` switches to these ops while it is being compiled.
+``torch.ops.graphrt.sample`` draws a step's next tokens (``StepContext.sample``).
 ``torch.ops.graphrt.small_linear`` is a plain functional op: a compiled step's matmuls of a
 few rows become it after tracing (``graphrt.capture.linear_pass``).
 """
@@ -21,6 +22,7 @@ from .kv_write import write_kv as _write_kv
 from .linear import small_linear as _small_linear
 from .metadata import AttentionMetadata
 from .paged_attention import paged_attention as _paged_attention
+from .sampling import sample as _sample
 
 
 @torch.library.custom_op("graphrt::write_kv", mutates_args=("k_cache", "v_cache"))
@@ -107,6 +109,18 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor],
 @small_linear.register_fake
 def _(x, weights, biases):
     return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+
+
+@torch.library.custom_op("graphrt::sample", mutates_args=())
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           min_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """``graphrt.kernels.sampling.sample``: [S] int64 token ids, one a row of logits [S, V]."""
+    return _sample(logits, temperature, top_k, top_p, min_p, seed, counter)
+
+
+@sample.register_fake
+def _(logits, temperature, top_k, top_p, min_p, seed, counter):
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 
 # the ops that run graphrt attention: what a compiled step's graphs must hold, once a layer

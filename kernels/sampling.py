@@ -121,7 +121,7 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, top_k_ptr, top_p_ptr, mi
             floor_key = tl.maximum(floor_key, _radix_select(p_row, V, m, inv_t, floor_key, p * z, True, BLOCK))
         # 5. min-p and the draw
         seed = tl.load(seed_ptr + i_s)
-        counter = tl.load(counter_ptr + i_s)
+        counter = tl.load(counter_ptr + i_s).to(tl.int64)
         c_lo = (counter & 0xFFFFFFFF).to(tl.uint32)
         c_hi = ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
         best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
@@ -165,7 +165,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     top_k [S] int32: keep the k largest logits (ties at the k-th all kept); 0 = off.
     top_p [S] float32 in (0, 1]: then keep the smallest top set holding p of the mass.
     min_p [S] float32 in [0, 1): then keep tokens of probability >= min_p * the largest.
-    seed [S], counter [S] int64: the draw's key (the same pair draws the same token).
+    seed [S] int64, counter [S] int64 or int32 (a sequence's length, say): the draw's key
+    (the same pair draws the same token).
     out [S] int64 (given: written in place). lowest [S] float32 (given: receives the
     smallest logit kept, what the tests compare the kept set by).
 
@@ -182,8 +183,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         raise ValueError(f"logits has {v} columns; at most 2**31 - 1 fit the kernel's int32 indices")
     for name, t, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
                            ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
-                           ("seed", seed, torch.int64), ("counter", counter, torch.int64)):
-        check_tensor(name, t, dim=1, dtypes=(dtype,), device=logits.device)
+                           ("seed", seed, torch.int64), ("counter", counter, (torch.int64, torch.int32))):
+        check_tensor(name, t, dim=1, dtypes=dtype if isinstance(dtype, tuple) else (dtype,), device=logits.device)
         if t.shape[0] != s:
             raise ValueError(f"{name} must have one entry per row of logits ({s}), got {t.shape[0]}")
     if out is None:

@@ -268,3 +268,128 @@ def test_sample_on_the_gpu_replayed():
             assert torch.equal(got[i], keep), f"trial {trial} row {i} {rows[i]} (seed {seed}): kept sets differ"
             if int(out[i]) != int(ref[i]):
                 assert draw_gap(logits[i].cpu(), keep, t, sd, c) < 1e-4, f"trial {trial} row {i}: {rows[i]}"
+
+
+# ---------------------------------------------------------------- in a step
+
+def sampling_runtime(device, dtype=torch.float32, **kw):
+    from graphrt import Runtime, RuntimeConfig
+    from graphrt.toy import ToyModel
+
+    cfg = RuntimeConfig(num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16, num_blocks=64, max_num_seqs=4,
+                        max_num_tokens=32, max_model_len=128, max_prefix_ranges=1, dtype=dtype, sampling=True)
+    model = ToyModel(cfg, num_layers=2, hidden=64, vocab=300, device=device)
+
+    def step_fn(ctx):
+        _, logits = model(ctx)                     # [S, vocab]: each sequence's last token
+        return logits, ctx.sample(logits)
+    return Runtime(cfg, step_fn, num_layers=2, device=device, **kw), cfg
+
+
+def test_step_samples_with_each_sequence_settings(device):
+    """``ctx.sample`` draws each sequence's token with its own staged settings and its length
+    as the counter: the same ids as the kernel called on the step's logits, and as the
+    float64 reference."""
+    from graphrt import SamplingParams, SeqStep, Step
+
+    rt, cfg = sampling_runtime(device)
+    seqs = [SeqStep(q_len=4, context_len=0, block_ids=[1]), SeqStep(q_len=1, context_len=20, block_ids=[2, 3]),
+            SeqStep(q_len=2, context_len=5, block_ids=[4])]
+    step = Step(seqs)
+    params = [SamplingParams(temperature=0.0), SamplingParams(0.8, top_k=5, seed=3),
+              SamplingParams(1.2, top_p=0.7, min_p=0.01, seed=2 ** 62)]
+    logits, ids = rt.step(step, np.arange(7) % 300, sampling=params)
+    lengths = [4, 21, 7]
+    rows = [(p.temperature, p.top_k, p.top_p, p.min_p, p.seed, n) for p, n in zip(params, lengths)]
+    want = reference.sample(logits.cpu(), *(settings(rows, "cpu")[k] for k in ("temperature", "top_k", "top_p",
+                                                                                 "min_p", "seed", "counter")))
+    assert ids.tolist() == want.tolist()
+    assert int(ids[0]) == int(torch.argmax(logits[0]))
+    # the same settings, another batch around them: the same draw for the same sequence
+    logits2, ids2 = rt.step(Step([seqs[1]]), [4], sampling=[params[1]])
+    torch.testing.assert_close(logits2[0], logits[1])
+    assert int(ids2[0]) == int(ids[1])
+    # no settings: greedy
+    _, greedy = rt.step(step, np.arange(7) % 300)
+    assert greedy.tolist() == torch.argmax(logits, dim=1).tolist()
+    # the reference runner's ctx.sample: the same draws from its own (float64-attention) logits
+    from graphrt import ReferenceRunner
+
+    runner = ReferenceRunner(cfg, rt.model_step, num_layers=2, device=device)
+    ref_logits, ref_ids = runner.step(step, np.arange(7) % 300, sampling=params)
+    torch.testing.assert_close(ref_logits, logits, atol=1e-3, rtol=1e-3)
+    assert ref_ids.tolist() == ids.tolist()
+
+
+def test_step_refuses_bad_sampling_before_touching_buffers(device):
+    from graphrt import Runtime, RuntimeConfig, SamplingParams, SeqStep, Step
+    from graphrt.toy import ToyModel
+
+    rt, cfg = sampling_runtime(device)
+    step = Step([SeqStep(q_len=2, context_len=0, block_ids=[1]), SeqStep(q_len=1, context_len=3, block_ids=[2])])
+    rt.step(step, [1, 2, 3], sampling=[SamplingParams(), SamplingParams(0.5)])
+    arena = rt.buffers.arena.clone()
+    staging = [s.clone() for s in rt.buffers.staging]
+    for bad, error, match in [([SamplingParams()], ValueError, "a list of 2 SamplingParams"),
+                              (SamplingParams(), ValueError, "a list of 2 SamplingParams"),
+                              ([SamplingParams(), 0.5], TypeError, r"sampling\[1\] must be a graphrt.SamplingParams")]:
+        with pytest.raises(error, match=match):
+            rt.step(step, [1, 2, 3], sampling=bad)
+    assert torch.equal(rt.buffers.arena, arena) and all(torch.equal(a, b) for a, b in zip(rt.buffers.staging, staging))
+    cfg_off = RuntimeConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "sampling": False})
+    plain = Runtime(cfg_off, ToyModel(cfg_off, num_layers=2, hidden=64, vocab=300, device=device), num_layers=2,
+                    device=device)
+    with pytest.raises(ValueError, match="need RuntimeConfig.sampling=True."):
+        plain.step(step, [1, 2, 3], sampling=[SamplingParams()] * 2)
+    with pytest.raises(RuntimeError, match="StepContext.sample needs RuntimeConfig.sampling=True."):
+        Runtime(cfg_off, lambda ctx: ctx.sample(torch.zeros(ctx.num_seqs, 8, device=device)), num_layers=2,
+                device=device).step(step, [1, 2, 3])
+
+
+def test_sampling_fields_join_the_one_copy_only_when_asked():
+    from graphrt.buffers import FIELDS, SAMPLING_FIELDS, Layout
+
+    plain, with_sampling = Layout.make(8, 64, 2, 10), Layout.make(8, 64, 2, 10, sampling=True)
+    assert not set(SAMPLING_FIELDS) & set(plain.offsets)
+    # five [8] fields, each padded to 16 bytes: 32 + 32 + 32 + 32 + 64
+    assert with_sampling.copy_bytes(1) - plain.copy_bytes(1) == 192
+    assert all(with_sampling.offsets[f] == plain.offsets[f] for f in plain.offsets)
+    views = with_sampling.views(torch.zeros(with_sampling.nbytes, dtype=torch.uint8))
+    assert views["temperature"].dtype == torch.float32 and views["seed"].dtype == torch.int64
+    assert [f.name for f in FIELDS if f.option == "sampling"] == list(SAMPLING_FIELDS)
+
+
+@pytest.mark.gpu
+def test_sampled_decode_loop_replays_with_one_copy_and_no_sync():
+    """Decode steps replayed in strict mode, each sequence with its settings, the sampled ids
+    fed to the next step on the device: one pinned copy a step, no host sync, and every
+    replay's ids equal the kernel's on that replay's logits."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from graphrt import SamplingParams, SeqStep, Step
+    from graphrt.profiling import count_transfers
+
+    dev = torch.device("cuda")
+    rt, cfg = sampling_runtime(dev, torch.bfloat16, strict=True)
+    rt.capture(decode_buckets=[4], mixed_buckets=[32], quiet=True)
+    params = [SamplingParams(0.0), SamplingParams(0.7, top_k=20, seed=1), SamplingParams(1.0, top_p=0.9, seed=2),
+              SamplingParams(1.5, min_p=0.05, seed=3)]
+    blocks = [[4 * i + j for j in range(4)] for i in range(4)]
+    prompt = Step([SeqStep(q_len=5, context_len=0, block_ids=blocks[i]) for i in range(4)])
+    _, ids = rt.step(prompt, np.arange(20) % 300, sampling=params)
+    steps = [Step([SeqStep(q_len=1, context_len=5 + j, block_ids=blocks[i]) for i in range(4)]) for j in range(12)]
+    seen = []
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("graphrt_steps"):
+            for s in steps:
+                logits, ids = rt.step(s, ids, sampling=params)
+                assert rt.last.mode == "replay"
+                seen.append((logits.clone(), ids.clone()))
+        torch.cuda.synchronize()
+    counted = count_transfers(prof, "graphrt_steps")
+    assert counted.h2d_pinned == len(steps) and counted.h2d_pageable == 0 and counted.syncs == 0, counted
+    for j, (logits, ids) in enumerate(seen):
+        lengths = [6 + j] * 4
+        rows = [(p.temperature, p.top_k, p.top_p, p.min_p, p.seed, n) for p, n in zip(params, lengths)]
+        assert torch.equal(ids, sample(logits, **settings(rows, dev))), f"decode step {j}"
