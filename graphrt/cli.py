@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                            "(images), paligemma (prefix-LM), qwen2-vl (multimodal RoPE), ... (needs the "
                            "transformers extra)")
     bench = sub.add_parser("bench", help="benchmarks: JSON and PNG under benchmarks/results/<gpu or cpu>/")
-    bench.add_argument("which", nargs="*", default=[], help="step, kernels, runtime, host, capture, soak, parallel, model (default: all)")
+    bench.add_argument("which", nargs="*", default=[], help="step, kernels, runtime, host, capture, soak, parallel, model, sampling (default: all)")
     bench.add_argument("--quick", action="store_true", help="tiny sizes; on CPU always")
     bench.add_argument("--no-flex", action="store_true", help="skip compiled flex_attention in kernels")
     bench.add_argument("--only", default=None, help="kernels: a comma-separated subset of decode,prefill,mixed")

@@ -14,6 +14,7 @@ REQUIRED = {"step": {"impl", "layers", "batch", "host_us", "wall_us"},
             "host": {"impl", "layers", "batch", "from_arrays_us", "validate_us", "pack_us", "copy_us", "step_us"},
             "soak": {"impl", "steps", "checked", "mismatches", "host_us", "host_us_windows"},
             "parallel": {"impl", "ranks", "batch", "wall_us", "host_us", "speedup_vs_1"},
+            "sampling": {"impl", "vocab", "batch", "setting", "ms"},
             "model": {"model", "batch", "prompt", "graphrt_ms", "graphrt_compiled_ms", "compiled_capture_s",
                       "compiled_tokens_agree", "hf_eager_ms", "floor_ms", "first_token_ms",
                       "tokens_agree"}}
@@ -32,6 +33,8 @@ def test_bench_quick(name, tmp_path):
         assert row["bench"] in benches and REQUIRED[name] <= set(row), row
     if name == "model" and not torch.cuda.is_available():    # fp32, wide weights: the compiled loop's tokens
         assert all(r["compiled_tokens_agree"] == r["new_tokens"] for r in data["rows"]), data["rows"]   # are eager's
+    if name == "sampling":      # every cell timed both ways
+        assert {r["impl"] for r in data["rows"]} == {"graphrt", "torch_eager"} and all(r["ms"] > 0 for r in data["rows"])
     if name == "soak":
         assert data["rows"][0]["checked"] >= 2 and data["rows"][0]["mismatches"] == 0, data["rows"][0]
     if name == "capture":       # a cold Triton cache, then the same cache warm, each in a fresh process;
