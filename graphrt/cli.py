@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--chunk", type=int, default=None,
                       help="prefill tokens per step (chunked prefill; default 32, 12 with --model)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--sample", action="store_true",
+                      help="draw tokens inside the step (temperature 0.8, top-k 50, top-p 0.95, a seed per "
+                           "request) instead of the loop's argmax")
     demo.add_argument("--model", default="toy",
                       help="toy (graphrt's own), or a tiny random transformers model through the adapter, "
                            "one of graphrt.integrations.tiny.KINDS: llama, qwen3, granite, gpt-neox, gemma3 "
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphrt.demo import run_demo
 
     return run_demo(device=device, layers=args.layers, requests=args.requests, new_tokens=args.new_tokens,
-                    chunk=args.chunk or 32, seed=args.seed)
+                    chunk=args.chunk or 32, seed=args.seed, sample=args.sample)
 
 
 def _bench(args) -> int:

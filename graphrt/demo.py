@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from graphrt.config import RuntimeConfig
+from graphrt.sampling import SamplingParams
 from graphrt.serve import next_chunk
 from graphrt.step import SeqStep, Step
 
@@ -55,7 +56,20 @@ def _make_requests(rng: np.random.Generator, n: int, prompt_len: tuple[int, int]
     return reqs
 
 
-def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk: int, seed: int) -> int:
+class _Sampled(torch.nn.Module):
+    """The model step with its next tokens drawn inside it (``ctx.sample``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ctx):
+        hidden, logits = self.model(ctx)
+        return hidden, logits, ctx.sample(logits)
+
+
+def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk: int, seed: int,
+             sample: bool = False) -> int:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from graphrt.checking import ReferenceRunner
@@ -67,18 +81,20 @@ def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk:
     prompt_len, image_len = ((400, 900), 256) if on_gpu else ((28, 56), 12)
     shape = dict(num_q_heads=32 if on_gpu else 4, num_kv_heads=8 if on_gpu else 2, head_dim=128 if on_gpu else 64,
                  block_size=16, num_blocks=4096 if on_gpu else 64, max_num_seqs=max(requests, 1),
-                 max_num_tokens=chunk + image_len + requests, max_model_len=2048, max_prefix_ranges=2)
+                 max_num_tokens=chunk + image_len + requests, max_model_len=2048, max_prefix_ranges=2,
+                 sampling=sample)
     cfg = RuntimeConfig(**shape, dtype=torch.bfloat16 if on_gpu else torch.float32)
     hidden, vocab = (1024 if on_gpu else 128), 512
     model = ToyModel(cfg, num_layers=layers, hidden=hidden, vocab=vocab, window=32, seed=seed, device=device)
-    rt = Runtime(cfg, model, num_layers=layers, device=device, strict=on_gpu)
+    rt = Runtime(cfg, _Sampled(model) if sample else model, num_layers=layers, device=device, strict=on_gpu)
     # The check runs on the CPU in float32 with float64 attention, apart from the GPU run.
     ref_cfg = RuntimeConfig(**shape, dtype=torch.float32)
     ref_model = ToyModel(ref_cfg, num_layers=layers, hidden=hidden, vocab=vocab, window=32, seed=seed)
-    checker = ReferenceRunner(ref_cfg, ref_model, num_layers=layers)
+    checker = ReferenceRunner(ref_cfg, _Sampled(ref_model) if sample else ref_model, num_layers=layers)
 
     rng = np.random.default_rng(seed)
     reqs = _make_requests(rng, requests, prompt_len, image_len, vocab, new_tokens)
+    settings = {r.rid: SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=seed * 1000 + r.rid) for r in reqs}
     free_blocks = list(rng.permutation(cfg.num_blocks))
     if on_gpu:
         t0 = time.perf_counter()
@@ -88,9 +104,11 @@ def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk:
     else:
         mode = "cpu, eager through the Triton interpreter (no CUDA device)"
     print(f"graphrt demo: {mode}\n  model: {layers} layers, heads {cfg.num_q_heads}/{cfg.num_kv_heads}, "
-          f"head_dim {cfg.head_dim}, {cfg.dtype}; {requests} requests with one image each")
+          f"head_dim {cfg.head_dim}, {cfg.dtype}; {requests} requests with one image each"
+          + ("; tokens drawn in the step (temperature 0.8, top-k 50, top-p 0.95)" if sample else ""))
 
     step_no, prefill_tok, decode_tok, worst, host_s, buckets = 0, 0, 0, 0.0, [], {}
+    drawn = agreed = 0
     # On a GPU the torch profiler counts the copies and syncs that the summary reports.
     profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if on_gpu else contextlib.nullcontext()
     t_start = time.perf_counter()
@@ -103,11 +121,18 @@ def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk:
                 continue
             step = Step(seqs)
             t0 = time.perf_counter()
+            params = [settings[r.rid] for r in owners] if sample else None
             with record_function("graphrt_step"):
-                _, logits = rt.step(step, tokens)
+                out = rt.step(step, tokens, sampling=params)
             host_s.append(time.perf_counter() - t0)
-            next_tok = logits[: step.num_seqs].argmax(-1).tolist()     # the loop's own read-back, not graphrt's
-            want = checker.step(step, tokens)[1]
+            logits = out[1]
+            # the loop's own read-back, not graphrt's: the tokens drawn in the step, or the argmax
+            next_tok = (out[2] if sample else logits.argmax(-1))[: step.num_seqs].tolist()
+            checked = checker.step(step, tokens, sampling=params)
+            want = checked[1]
+            if sample:          # the reference's draws from its own logits (a near tie may differ in bf16)
+                drawn += step.num_seqs
+                agreed += sum(int(a == b) for a, b in zip(next_tok, checked[2].tolist()))
             scale = want.abs().max().item()
             worst = max(worst, (logits[: step.num_seqs].float().cpu() - want).abs().max().item() / scale)
             label = str(rt.last.bucket) if rt.last.bucket else "eager"
@@ -135,11 +160,14 @@ def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk:
               f"host syncs inside rt.step: {seen.syncs} (strict mode on), "
               f"waits for a free staging slot: {seen.ring_waits}")
     print(f"  buckets used: {', '.join(f'{k} x{v}' for k, v in sorted(buckets.items()))}")
+    if sample:
+        print(f"  tokens drawn in the step equal to the reference's draws: {agreed} of {drawn}")
     print(f"  logits vs float64-attention reference, worst error / max |logit|: {worst:.2e} "
           f"({'ok' if worst < tol else 'TOO LARGE'}, tolerance {tol:g})")
     for r in reqs:
         print(f"  request {r.rid}: prompt {len(r.prompt)} tokens (image at {list(r.image)}), generated {r.generated}")
     ok = worst < tol and (seen is None or (seen.h2d_pinned == steps and seen.h2d_pageable == 0 and seen.syncs == 0))
+    ok = ok and (on_gpu or agreed == drawn)     # fp32 on both sides: the same draws (bf16 logits may tip a near tie)
     return 0 if ok else 1
 
 

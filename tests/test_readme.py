@@ -23,3 +23,13 @@ def test_demo_runs(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "worst error" in run.stdout and "(ok," in run.stdout, run.stdout[-3000:]
+
+
+def test_demo_samples_in_the_step(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "graphrt", "demo", "--sample", "--requests", "2", "--new-tokens", "3"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    drawn = re.search(r"equal to the reference's draws: (\d+) of (\d+)", run.stdout)
+    assert drawn and int(drawn[2]) > 0, run.stdout[-3000:]
+    if "cpu," in run.stdout:        # fp32 on both sides: every draw the same
+        assert drawn[1] == drawn[2], run.stdout[-3000:]
