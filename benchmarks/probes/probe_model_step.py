@@ -2,9 +2,11 @@
 and compiled (``Runtime(compile=True)``)? The bench model's llama-1b at batch 1 and 8
 (prompt 512), four replayed decode steps under the torch profiler, kernel time summed by
 kind: graphrt's attention, graphrt's small_linear, cuBLAS GEMMs, Inductor's fused Triton kernels, other; and the step's
-wall time over those kernels' sum (what is left is gaps between graph nodes).
+wall time over those kernels' sum (what is left is gaps between graph nodes). ``--model`` picks
+another of the bench's models (llama-8b, gemma3-4b: its prompts hold an image), ``--compiled-only``
+skips the eager loop.
 
-    python3 benchmarks/probes/probe_model_step.py [--batches 1,8] [--out DIR]
+    python3 benchmarks/probes/probe_model_step.py [--model llama-1b] [--batches 1,8] [--compiled-only] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,20 +33,24 @@ def kind_of(name: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--compiled-only", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from graphrt.bench.model import CONFIGS, GraphrtLoop, build, prompts
 
-    hf = build("llama-1b", CONFIGS["llama-1b"], torch.device("cuda"), torch.bfloat16)
+    hf = build(args.model, CONFIGS[args.model], torch.device("cuda"), torch.bfloat16)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        ids, _ = prompts(hf, batch, 512, 0)
-        for compiled in (False, True):
+        ids, pixels = prompts(hf, batch, 512, 0)
+        for compiled in (True,) if args.compiled_only else (False, True):
             loop = GraphrtLoop(hf, batch, 512, 16, torch.device("cuda"), chunk=4096, compile=compiled)
-            first = loop.prefill(ids, None)
+            features = None if pixels is None else [
+                loop.lm.image_features(pixels[i: i + 1].to("cuda", torch.bfloat16)) for i in range(batch)]
+            first = loop.prefill(ids, features)
             loop.decode(first, 4)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -61,7 +67,7 @@ def main() -> None:
                     by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + e.self_device_time_total / 4
                     count += e.count
             kernel_us = sum(by_kind.values())
-            row = dict(batch=batch, compiled=compiled, wall_us=wall_us, kernel_us=kernel_us,
+            row = dict(model=args.model, batch=batch, compiled=compiled, wall_us=wall_us, kernel_us=kernel_us,
                        kernels_per_step=count / 4, **{f"{k} us": v for k, v in sorted(by_kind.items())})
             rows.append(row)
             print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
@@ -69,7 +75,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "probe_model_step.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
+        (args.out / f"probe_model_step_{args.model}.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
                                                                          rows=rows), indent=1))
 
 
