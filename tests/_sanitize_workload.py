@@ -110,7 +110,36 @@ def kernels(small: bool = False) -> int:
                             max_query_len=1 if trial % 2 else None, new_kv=(k, k))
             launches += 1
     launches += linear(small)
+    launches += sampling_and_placement(small)
     torch.cuda.synchronize()
+    return launches
+
+
+def sampling_and_placement(small: bool = False) -> int:
+    """sample (every pass: greedy, temperature, top-k, top-p, min-p; odd vocabularies, a
+    row stride past the vocabulary) and place_tokens on valid and arbitrary metadata."""
+    from graphrt.kernels.sampling import sample
+    from graphrt.kernels.speculative import place_tokens
+
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(5)
+    launches = 0
+    for vocab in (1, 37, 3000) if not small else (3000,):
+        logits = torch.randn(5, vocab + 3, device=dev, dtype=torch.bfloat16)[:, :vocab]
+        f32 = lambda *v: torch.tensor(v, dtype=torch.float32, device=dev)  # noqa: E731
+        sample(logits, f32(0, 1, 0.7, 1.3, 2), torch.tensor([0, 0, 5, 0, vocab], dtype=torch.int32, device=dev),
+               f32(1, 1, 1, 0.5, 0.9), f32(0, 0, 0, 0.1, 0), torch.arange(5, device=dev), torch.arange(5, device=dev),
+               lowest=torch.empty(5, device=dev))
+        launches += 1
+    wild = [-2 ** 31, -5, -1, 0, 3, 40, 2 ** 31 - 1]
+    for _ in range(4 if small else 16):
+        s, t = int(rng.integers(1, 5)), int(rng.integers(1, 20))
+        i32 = lambda *shape: torch.from_numpy(rng.choice(wild, size=shape).astype(np.int32)).to(dev)  # noqa: E731
+        qsl = torch.from_numpy(np.sort(rng.choice(wild + list(range(25)), size=s + 1)).astype(np.int32)).to(dev)
+        place_tokens(i32(s), i32(s), i32(int(rng.integers(1, 4))), query_start_loc=qsl, seq_lens=i32(s),
+                     positions=torch.zeros(t, dtype=torch.int64, device=dev),
+                     slot_mapping=torch.zeros(t, dtype=torch.int64, device=dev), block_table=i32(s, 3), block_size=4)
+        launches += 1
     return launches
 
 
