@@ -19,6 +19,10 @@ field 16-byte aligned):
     top_p            [S]        float32  read by ``StepContext.sample``; padding samples
     min_p            [S]        float32  greedily (temperature 0)
     seed             [S]        int64
+    request          [S]        int32  speculative steps (only when cfg.speculative): the row of
+    offset           [S]        int32  the device-owned state each sequence is, and where its
+                                       first token sits against that row's length
+                                       (graphrt.speculative; -1 / 0 for padding)
     block_table      [B, S]     int32  stored column-major (block j of every sequence
                                        together), seen by the kernels as an [S, B] view
 
@@ -62,7 +66,7 @@ class Field:
     rows: str                   # "tokens" [T], "seqs" [S], "seqs+1" [S + 1], "ranges" [S, R, 2],
                                 # "positions" [T] (one position row) or [P, T]
     empty: int | float          # an all-padding step's value
-    option: str | None = None   # "embeds" (cfg.embed_dim > 0), "sampling" (cfg.sampling)
+    option: str | None = None   # "embeds" (cfg.embed_dim > 0), "sampling" (cfg.sampling), "speculative"
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")
@@ -81,6 +85,8 @@ FIELDS = (
     Field("top_p", np.float32, "seqs", 1.0, "sampling"),
     Field("min_p", np.float32, "seqs", 0.0, "sampling"),
     Field("seed", np.int64, "seqs", 0, "sampling"),
+    Field("request", np.int32, "seqs", -1, "speculative"),       # a row of graphrt.speculative.SpecState
+    Field("offset", np.int32, "seqs", 0, "speculative"),         # first token's position - that row's length
 )
 
 
@@ -98,8 +104,9 @@ class Layout:
 
     @staticmethod
     def make(num_seqs: int, num_tokens: int, max_ranges: int, max_blocks: int, *, embeds: bool = False,
-             position_rows: int = 1, sampling: bool = False) -> "Layout":
-        options = (None, "embeds" if embeds else None, "sampling" if sampling else None)
+             position_rows: int = 1, sampling: bool = False, speculative: bool = False) -> "Layout":
+        options = (None, "embeds" if embeds else None, "sampling" if sampling else None,
+                   "speculative" if speculative else None)
         counts = {"tokens": num_tokens, "seqs": num_seqs, "seqs+1": num_seqs + 1, "ranges": num_seqs * max_ranges * 2,
                   "positions": position_rows * num_tokens}
         offsets, at = {}, 0
@@ -164,6 +171,7 @@ class DeviceViews:
     embed_index: torch.Tensor | None     # [T] int32, -1 = no given embedding (None: embed_dim 0)
     inputs_embeds: torch.Tensor | None   # [T, embed_dim] cfg.dtype, rows packed from 0
     sampling: dict | None = None         # [S] per field of SAMPLING_FIELDS (None: cfg.sampling off)
+    speculative: dict | None = None      # request, offset [S] int32 (None: cfg.speculative off)
 
 
 class StepBuffers:
@@ -203,7 +211,7 @@ class StepBuffers:
         """The arena layout of a bucket of num_seqs sequences and num_tokens tokens."""
         return Layout.make(num_seqs, num_tokens, self.cfg.max_prefix_ranges, self.cfg.max_blocks_per_seq,
                            embeds=self.cfg.embed_dim > 0, position_rows=self.cfg.position_rows,
-                           sampling=self.cfg.sampling)
+                           sampling=self.cfg.sampling, speculative=self.cfg.speculative)
 
     def device_views(self, layout: Layout) -> DeviceViews:
         """Typed device views of the arena under ``layout``: the AttentionMetadata
@@ -217,11 +225,14 @@ class StepBuffers:
                                  slot_mapping=v["slot_mapping"])
         embeds = None if self.inputs_embeds is None else self.inputs_embeds[: layout.num_tokens]
         sampling = {name: v[name] for name in SAMPLING_FIELDS} if self.cfg.sampling else None
-        return DeviceViews(layout, meta, v["positions"], v["input_ids"], v["embed_index"], embeds, sampling)
+        speculative = {"request": v["request"], "offset": v["offset"]} if self.cfg.speculative else None
+        return DeviceViews(layout, meta, v["positions"], v["input_ids"], v["embed_index"], embeds, sampling,
+                           speculative)
 
     def pack(self, step: Step, layout: Layout, input_ids: np.ndarray | None = None,
              embed_rows: np.ndarray | None = None, positions: np.ndarray | None = None,
-             sampling: list | None = None) -> int:
+             sampling: list | None = None, requests: np.ndarray | None = None,
+             offsets: np.ndarray | None = None) -> int:
         """Write ``step`` (validated, fitting ``layout``) into the next free pinned slot and
         return the slot; ``embed_rows`` (checked) are the tokens whose embeddings the step
         brings, in the order of their rows; ``positions`` (checked, [P, num_tokens]) the
@@ -229,7 +240,8 @@ class StepBuffers:
         position in every row). Waits on the GPU only when every slot still has a copy in
         flight, that is when the host is ``ring`` steps ahead. ``sampling`` (checked
         ``SamplingParams``, one a sequence; None: greedy) fills the sampling fields where
-        cfg.sampling is on."""
+        cfg.sampling is on; ``requests`` / ``offsets`` (checked ints, one per sequence) the
+        speculative fields where cfg.speculative is on (default: request -1, offset 0)."""
         slot = self._next
         self._next = (slot + 1) % len(self.staging)
         event = self._events[slot]
@@ -265,6 +277,11 @@ class StepBuffers:
                 index[embed_rows] = np.arange(len(embed_rows), dtype=np.int32)
         if v["temperature"] is not None:
             SamplingParams.fill(sampling or (), **{name: v[name] for name in SAMPLING_FIELDS})
+        if v["request"] is not None:
+            n = step.num_seqs
+            v["request"][n:], v["offset"][n:] = -1, 0
+            v["request"][:n] = -1 if requests is None else requests
+            v["offset"][:n] = 0 if offsets is None else offsets
         return slot
 
     def copy(self, slot: int, nbytes: int, *, strict: bool = False) -> int:

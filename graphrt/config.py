@@ -39,6 +39,9 @@ class RuntimeConfig:
     # per-sequence sampling settings in the step's one copy, for ``StepContext.sample``
     # (temperature, top-k, top-p, min-p, seed: 24 bytes a sequence)
     sampling: bool = False
+    # per-sequence request rows and offsets in the one copy, for graphrt.speculative's steps,
+    # which place their tokens from device-owned lengths (8 bytes a sequence)
+    speculative: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "num_blocks", "max_num_seqs",
@@ -54,8 +57,11 @@ class RuntimeConfig:
         if isinstance(self.position_rows, bool) or not isinstance(self.position_rows, int) \
                 or not 1 <= self.position_rows <= 4:
             raise ValueError(f"RuntimeConfig.position_rows must be an int in [1, 4], got {self.position_rows!r}")
-        if not isinstance(self.sampling, bool):
-            raise ValueError(f"RuntimeConfig.sampling must be a bool, got {self.sampling!r}")
+        for name in ("sampling", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RuntimeConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.speculative and self.position_rows != 1:
+            raise ValueError("RuntimeConfig.speculative needs position_rows 1 (its steps place one position a token)")
         check_head_dim(self.head_dim, "RuntimeConfig.head_dim")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"RuntimeConfig.num_q_heads ({self.num_q_heads}) must be a multiple of "

@@ -53,6 +53,8 @@ class StepContext:
         self.num_tokens = views.layout.num_tokens  # T: token capacity of this bucket
         self.num_seqs = views.layout.num_seqs     # S: sequence capacity of this bucket
         self.sampling = views.sampling            # [S] settings per field (cfg.sampling), else None
+        self.speculative = views.speculative      # request, offset [S] int32 (cfg.speculative), else None
+        self.block_size = runtime.cfg.block_size
         self._rt = runtime
         self._max_query_len = max_query_len
         self._num_splits = num_splits
@@ -344,7 +346,8 @@ class Runtime:
 
     # ---------------------------------------------------------------- step
     def step(self, step: Step, input_ids: Any = None, *, embeds: torch.Tensor | None = None,
-             embed_rows: Any = None, positions: Any = None, sampling: Sequence[SamplingParams] | None = None) -> Any:
+             embed_rows: Any = None, positions: Any = None, sampling: Sequence[SamplingParams] | None = None,
+             requests: Any = None, offsets: Any = None) -> Any:
         """Run one step. ``input_ids``: the step's token ids, [num_tokens] ints on the host
         (list, numpy, CPU tensor) or a device tensor (copied device-to-device), or None.
         ``embeds``: [n, cfg.embed_dim] input embeddings for n of the step's tokens, a tensor
@@ -357,6 +360,9 @@ class Runtime:
         Default: the sequence position, in every row.
         ``sampling``: one ``SamplingParams`` per sequence, for ``ctx.sample`` in the step
         (needs ``RuntimeConfig(sampling=True)``; default: greedy); they travel in the one copy.
+        ``requests`` / ``offsets``: one int per sequence, its row of a
+        ``graphrt.speculative.SpecState`` and its first token's position against that row's
+        length (needs ``RuntimeConfig(speculative=True)``; default -1 / 0); in the one copy.
         Validates everything before touching a buffer; returns the step function's outputs."""
         if not isinstance(step, Step):
             raise TypeError(f"step must be a graphrt.Step, got {type(step).__name__}")
@@ -365,6 +371,7 @@ class Runtime:
         rows = _check_embeds(embeds, embed_rows, step.num_tokens, self.cfg, self.device)
         host_positions = _check_positions(positions, step.num_tokens, self.cfg)
         _check_sampling(sampling, step.num_seqs, self.cfg)
+        requests, offsets = _check_speculative(requests, offsets, step.num_seqs, self.cfg)
         n_seqs, n_tokens = step.num_seqs, step.num_tokens
         captured = self.graphs.pick(n_seqs, n_tokens, step.is_decode) if self.graphs else None
         if captured is not None:
@@ -381,7 +388,8 @@ class Runtime:
             nbytes = layout.copy_bytes(step.block_columns)
             tr = self.tracer
             if not tr.enabled:      # the same three stages with no range calls (a few us a step)
-                slot = self.buffers.pack(step, layout, host_ids, rows, host_positions, sampling)
+                slot = self.buffers.pack(step, layout, host_ids, rows, host_positions, sampling, requests,
+                                              offsets)
                 self._copy(ctx, slot, nbytes, strict, n_tokens, device_ids, embeds, rows)
                 outputs = self.graphs.replay(captured) if captured is not None else self.model_step(ctx)
             else:                   # three ranges, prebuilt per step shape, pushed here
@@ -389,7 +397,8 @@ class Runtime:
                 domain = tr.domain
                 domain.push_range(stage_range)
                 try:
-                    slot = self.buffers.pack(step, layout, host_ids, rows, host_positions, sampling)
+                    slot = self.buffers.pack(step, layout, host_ids, rows, host_positions, sampling, requests,
+                                              offsets)
                 finally:
                     domain.pop_range()
                 domain.push_range(copy_range)
@@ -436,6 +445,25 @@ def _check_sampling(sampling: Any, num_seqs: int, cfg: RuntimeConfig) -> None:
     for i, p in enumerate(sampling):
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling[{i}] must be a graphrt.SamplingParams, got {type(p).__name__}")
+
+
+def _check_speculative(requests: Any, offsets: Any, num_seqs: int, cfg: RuntimeConfig):
+    if requests is None and offsets is None:
+        return None, None
+    if not cfg.speculative:
+        raise ValueError("requests / offsets need RuntimeConfig(speculative=True) (their fields in the step's copy)")
+    out = []
+    for name, values, low in (("requests", requests, 0), ("offsets", offsets, -2 ** 31)):
+        if values is None:
+            out.append(None)
+            continue
+        a = np.asarray(values)
+        if a.shape != (num_seqs,) or (a.size and a.dtype.kind not in "iu"):
+            raise ValueError(f"{name} must be {num_seqs} ints (one per sequence), got shape {a.shape} {a.dtype}")
+        if a.size and (a.min() < low or a.max() >= 2 ** 31):
+            raise ValueError(f"{name} must be ints in [{low}, 2**31), got {a.min()}..{a.max()}")
+        out.append(a)
+    return out[0], out[1]
 
 
 def _check_input_ids(input_ids: Any, num_tokens: int, device: torch.device):

@@ -28,7 +28,7 @@ from ._checks import check_runnable, check_tensor
 @triton.jit
 def _place_kernel(request_ptr, offset_ptr, length_ptr, num_requests, qsl_ptr, seq_lens_ptr, positions_ptr,
                   slot_ptr, num_tokens, bt_ptr, stride_bt_s, stride_bt_b, max_blocks, block_size,
-                  BLOCK: tl.constexpr):
+                  ids_ptr, tokens_ptr, stride_tok, tok_cols, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
     i_s = tl.program_id(0)
     start = tl.load(qsl_ptr + i_s)
     # the sequence's tokens, clipped to the token tensors (hand-built offsets cannot send the
@@ -38,7 +38,8 @@ def _place_kernel(request_ptr, offset_ptr, length_ptr, num_requests, qsl_ptr, se
         r = tl.load(request_ptr + i_s)
         known = (r >= 0) & (r < num_requests)
         # (a request index outside ``length`` reads its entry 0, then counts as unknown)
-        first = tl.load(length_ptr + tl.where(known, r, 0)).to(tl.int64) + tl.load(offset_ptr + i_s)
+        off = tl.load(offset_ptr + i_s)
+        first = tl.load(length_ptr + tl.where(known, r, 0)).to(tl.int64) + off
         last = first + q_len                   # int64: no wrap past 2**31
         ok = known & (first >= 0) & (last < 2 ** 31)
         tl.store(seq_lens_ptr + i_s, tl.where(ok, last, 0).to(tl.int32))
@@ -56,16 +57,26 @@ def _place_kernel(request_ptr, offset_ptr, length_ptr, num_requests, qsl_ptr, se
             slot = tl.where(m_b & (b_block >= 0), b_block.to(tl.int64) * block_size + pos % block_size, -1)
             tl.store(slot_ptr + start + o_j, slot, mask=m_j)
             tl.store(positions_ptr + start + o_j, tl.where(m_ok, pos, 0).to(tl.int64), mask=m_j)
+            if HAS_IDS:
+                # token j of the sequence is column 1 + offset + j of its request's token row
+                col = 1 + off.to(tl.int64) + o_j
+                m_t = m_ok & m_j & (col >= 0) & (col < tok_cols)
+                b_id = tl.load(tokens_ptr + tl.where(known, r, 0).to(tl.int64) * stride_tok + col, mask=m_t, other=0)
+                tl.store(ids_ptr + start + o_j, b_id, mask=m_j)
 
 
 def place_tokens(request: torch.Tensor, offset: torch.Tensor, length: torch.Tensor, *, query_start_loc: torch.Tensor,
                  seq_lens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_table: torch.Tensor, block_size: int) -> None:
+                 block_table: torch.Tensor, block_size: int, input_ids: torch.Tensor | None = None,
+                 tokens: torch.Tensor | None = None) -> None:
     """Rewrite ``seq_lens`` [S], ``positions`` [T] and ``slot_mapping`` [T] in place (see the
     module doc). request [S] int32: each sequence's row of ``length``; offset [S] int32:
     where its first token sits against that length (0: the next token; -1: the one before);
     length [R] int32: the device-owned lengths; query_start_loc [S + 1] int32, block_table
-    [S, B] int32 as staged. A launch of S programs; nothing is read back."""
+    [S, B] int32 as staged. With ``input_ids`` [T] int64 and ``tokens`` [R, C] int64 (a
+    row of token ids per request), token j of sequence i also takes the id
+    ``tokens[request[i], 1 + offset[i] + j]`` (0 outside the row). A launch of S programs;
+    nothing is read back."""
     check_tensor("query_start_loc", query_start_loc, dim=1, dtypes=(torch.int32,))
     device = query_start_loc.device
     check_runnable(device)
@@ -87,11 +98,22 @@ def place_tokens(request: torch.Tensor, offset: torch.Tensor, length: torch.Tens
         raise ValueError(f"block_table must have {s} rows, got {block_table.shape[0]}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if (input_ids is None) != (tokens is None):
+        raise ValueError("input_ids and tokens go together (the ids are read from the request's token row)")
+    if tokens is not None:
+        check_tensor("input_ids", input_ids, dim=1, dtypes=(torch.int64,), device=device)
+        check_tensor("tokens", tokens, dim=2, dtypes=(torch.int64,), device=device)
+        if input_ids.shape != positions.shape:
+            raise ValueError(f"input_ids must have {positions.shape[0]} entries, got {input_ids.shape[0]}")
+        if tokens.shape[0] != length.shape[0]:
+            raise ValueError(f"tokens must have one row per entry of length ({length.shape[0]}), got {tokens.shape[0]}")
     if s == 0:
         return
     _place_kernel[(s,)](request, offset, length, length.shape[0], query_start_loc, seq_lens, positions,
                         slot_mapping, positions.shape[0], block_table, block_table.stride(0), block_table.stride(1),
-                        block_table.shape[1], block_size, BLOCK=16)
+                        block_table.shape[1], block_size, input_ids if tokens is not None else positions,
+                        tokens if tokens is not None else positions, tokens.stride(0) if tokens is not None else 0,
+                        tokens.shape[1] if tokens is not None else 0, HAS_IDS=tokens is not None, BLOCK=16)
 
 
 def accept_greedy(target_ids: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

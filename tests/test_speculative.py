@@ -106,6 +106,23 @@ def test_place_tokens_refuses_bad_input(device):
         place_tokens(i32(2), i32(2), i32(5), **{**good, "block_size": 0})
 
 
+def test_place_tokens_reads_ids_from_the_request_rows(device):
+    """Token j of a sequence takes column 1 + offset + j of its request's row (0 outside)."""
+    tokens = torch.arange(30, dtype=torch.int64, device=device).reshape(3, 10) + 100      # row r: 100 + 10 r + col
+    length = torch.tensor([5, 9, 2], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 4, 6, 7, 7], dtype=torch.int32, device=device)             # a verify, a pair, a single, pad
+    request = torch.tensor([2, 0, 1, -1], dtype=torch.int32, device=device)
+    offset = torch.tensor([0, -1, 8, 0], dtype=torch.int32, device=device)
+    ids = torch.full((8,), 7, dtype=torch.int64, device=device)
+    place_tokens(request, offset, length, query_start_loc=qsl, seq_lens=torch.zeros(4, dtype=torch.int32, device=device),
+                 positions=torch.zeros(8, dtype=torch.int64, device=device),
+                 slot_mapping=torch.zeros(8, dtype=torch.int64, device=device),
+                 block_table=torch.zeros(4, 4, dtype=torch.int32, device=device), block_size=16, input_ids=ids,
+                 tokens=tokens)
+    # request 2 from column 1; request 0 from column 0; request 1 at column 9; slot 7 untouched
+    assert ids.tolist() == [121, 122, 123, 124, 100, 101, 119, 7]
+
+
 @pytest.mark.parametrize("target,drafts,accepted,next_id", [
     pytest.param([5, 6, 7, 8], [5, 6, 7], 3, 8, id="all-accepted-bonus"),
     pytest.param([5, 6, 7, 8], [4, 6, 7], 0, 5, id="first-rejected"),
@@ -125,3 +142,149 @@ def test_accept_greedy_refuses_bad_shapes(device):
     with pytest.raises(ValueError, match=r"draft_ids must be \[2, 3\]"):
         accept_greedy(torch.zeros(2, 4, dtype=torch.int64, device=device),
                       torch.zeros(2, 4, dtype=torch.int64, device=device))
+
+
+# ---------------------------------------------------------------- a loop
+
+NOISE = 0.1
+
+def speculative_setup(device, dtype, draft_seed: int, k: int, draft_noise: float = 0.0, **rt_kw):
+    """A tiny random-weight Llama as the target (seed 0) and one as the draft (``draft_seed``:
+    0 is the target itself; ``draft_noise``: its weights moved by that share of their own
+    size, a draft that agrees with the target some of the time), through the transformers
+    adapter, on their own runtimes."""
+    pytest.importorskip("transformers")
+    from graphrt import Runtime
+    from graphrt.integrations.tiny import tiny_model
+    from graphrt.integrations.transformers import TransformersModel
+    from graphrt.speculative import SpecState, draft_step, prefill_step, verify_step
+
+    target = TransformersModel(tiny_model("llama", 0).to(device=device, dtype=dtype))
+    draft_hf = tiny_model("llama", draft_seed)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in draft_hf.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * p.std() * draft_noise if p.numel() > 1 else 0)
+    draft = TransformersModel(draft_hf.to(device=device, dtype=dtype))
+    cfg = target.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=64, max_model_len=256,
+                                speculative=True)
+    n = target.num_layers
+    state = SpecState(4, k, device)
+    t_pre = Runtime(cfg, prefill_step(state, target), num_layers=n, device=device, **rt_kw)
+    t_ver = Runtime(cfg, verify_step(state, target.all_logits), num_layers=n, device=device,
+                    kv_caches=(t_pre.k_caches, t_pre.v_caches), **rt_kw)
+    d_pre = Runtime(cfg, draft, num_layers=draft.num_layers, device=device, **rt_kw)
+    d_dec = Runtime(cfg, draft_step(state, draft), num_layers=draft.num_layers, device=device,
+                    kv_caches=(d_pre.k_caches, d_pre.v_caches), **rt_kw)
+    plain = Runtime(cfg, target, num_layers=n, device=device)
+    return cfg, state, (t_pre, t_ver, d_pre, d_dec), plain
+
+
+def run_speculative(runtimes, prompts, blocks, k: int, iterations: int):
+    """Prefill both models, then ``iterations`` of draft (k steps) and verify; the host only
+    stages (upper-bound lengths) and keeps each verify's outputs on the device."""
+    from graphrt import SeqStep, Step
+
+    t_pre, t_ver, d_pre, d_dec = runtimes
+    rows = list(range(len(prompts)))
+    prefill = Step([SeqStep(q_len=len(p), context_len=0, block_ids=b) for p, b in zip(prompts, blocks)])
+    ids = np.concatenate(prompts)
+    t_pre.step(prefill, ids, requests=rows)
+    d_pre.step(prefill, ids)
+    outputs = []
+    upper = [len(p) for p in prompts]               # the host's bound on each row's length
+    for _ in range(iterations):
+        d_dec.step(Step([SeqStep(q_len=2, context_len=u - 1, block_ids=b) for u, b in zip(upper, blocks)]),
+                   requests=rows, offsets=[-1] * len(rows))
+        for j in range(2, k + 1):
+            d_dec.step(Step([SeqStep(q_len=1, context_len=u + j - 1, block_ids=b) for u, b in zip(upper, blocks)]),
+                       requests=rows, offsets=[j - 1] * len(rows))
+        emitted, counts = t_ver.step(Step([SeqStep(q_len=k + 1, context_len=u, block_ids=b)
+                                           for u, b in zip(upper, blocks)]), requests=rows, offsets=[0] * len(rows))
+        outputs.append((emitted[: len(rows)].clone(), counts[: len(rows)].clone()))
+        upper = [u + k + 1 for u in upper]
+    return outputs
+
+
+def greedy_tokens(plain, prompts, blocks, n: int) -> list[list[int]]:
+    from graphrt import SeqStep, Step
+
+    logits = plain.step(Step([SeqStep(q_len=len(p), context_len=0, block_ids=b) for p, b in zip(prompts, blocks)]),
+                        np.concatenate(prompts))
+    out = [[int(t)] for t in logits[: len(prompts)].argmax(-1).tolist()]
+    for j in range(n - 1):
+        logits = plain.step(Step([SeqStep(q_len=1, context_len=len(p) + j, block_ids=b)
+                                  for p, b in zip(prompts, blocks)]), [o[-1] for o in out])
+        for o, t in zip(out, logits[: len(prompts)].argmax(-1).tolist()):
+            o.append(int(t))
+    return out
+
+
+@pytest.mark.parametrize("draft_seed,noise,k", [
+    pytest.param(0, 0.0, 3, id="draft-is-target"),
+    pytest.param(1, 0.0, 3, id="other-draft"),
+    pytest.param(0, NOISE, 3, id="noisy-draft"),
+    pytest.param(0, 0.0, 1, id="one-draft"),
+])
+def test_speculative_loop_gives_the_targets_greedy_tokens(draft_seed, noise, k, device):
+    """Draft, verify, draft ... with the host staging upper bounds only: the tokens are the
+    target's plain greedy decoding (checked with transformers 5.25)."""
+    cfg, state, runtimes, plain = speculative_setup(device, torch.float32, draft_seed, k, noise)
+    rng, _ = rngs(fresh_seed())
+    prompts = [rng.integers(0, 64, n) for n in (7, 12, 9)]
+    blocks = [list(range(16 * r, 16 * r + 16)) for r in range(3)]
+    iterations = 5
+    outputs = run_speculative(runtimes, prompts, blocks, k, iterations)
+    got = [[] for _ in prompts]
+    accepted = []
+    for emitted, counts in outputs:
+        for r in range(len(prompts)):
+            got[r] += emitted[r, : int(counts[r])].tolist()
+            accepted.append(int(counts[r]) - 1)
+    want = greedy_tokens(plain, prompts, [list(range(48 + 5 * r, 48 + 5 * r + 5)) for r in range(3)],
+                         max(len(g) for g in got))
+    for r in range(len(prompts)):
+        assert got[r] == want[r][: len(got[r])], f"request {r}: speculative {got[r]}, greedy {want[r]}"
+        assert int(state.length[r]) == len(prompts[r]) + len(got[r])
+    if draft_seed == 0 and not noise:       # the draft is the target: every draft accepted
+        assert accepted == [k] * len(accepted), accepted
+    else:
+        assert sum(accepted) < k * len(accepted), f"a different draft had every draft accepted: {accepted}"
+    if noise:                               # some accepted, some not: the correction path ran
+        assert 0 < sum(accepted) and min(accepted) < k, accepted
+
+
+@pytest.mark.gpu
+def test_speculative_loop_replays_with_one_copy_a_step_and_no_sync():
+    """The same loop from captured graphs in strict mode (bf16): one pinned copy a step,
+    no host sync over four iterations (profiler-counted), the target's greedy tokens."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from graphrt.profiling import count_transfers
+
+    dev = torch.device("cuda")
+    k, iterations = 3, 4
+    cfg, state, runtimes, plain = speculative_setup(dev, torch.bfloat16, 0, k, NOISE, strict=True)
+    for rt in runtimes:
+        rt.capture(decode_buckets=[4], mixed_buckets=[16, 64], quiet=True)
+    rng, _ = rngs(fresh_seed())
+    prompts = [rng.integers(0, 64, n) for n in (7, 12, 9)]
+    blocks = [list(range(16 * r, 16 * r + 16)) for r in range(3)]
+    run_speculative(runtimes, prompts, blocks, k, 1)            # warm-up (the prefill resets the rows)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("graphrt_steps"):
+            outputs = run_speculative(runtimes, prompts, blocks, k, iterations)
+        torch.cuda.synchronize()
+    assert all(rt.last.mode == "replay" for rt in runtimes), [rt.last for rt in runtimes]
+    counted = count_transfers(prof, "graphrt_steps")
+    steps = 2 + iterations * (k + 1)
+    assert counted.h2d_pinned == steps and counted.h2d_pageable == 0 and counted.syncs == 0, counted
+    got = [[] for _ in prompts]
+    for emitted, counts in outputs:
+        for r in range(len(prompts)):
+            got[r] += emitted[r, : int(counts[r])].tolist()
+    want = greedy_tokens(plain, prompts, [list(range(48 + 5 * r, 48 + 5 * r + 5)) for r in range(3)],
+                         max(len(g) for g in got))
+    for r in range(len(prompts)):
+        assert got[r] == want[r][: len(got[r])], f"request {r}: speculative {got[r]}, greedy {want[r]}"

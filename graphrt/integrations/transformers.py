@@ -284,6 +284,14 @@ class TransformersModel(nn.Module):
     def forward(self, ctx) -> torch.Tensor:
         return self._run(ctx, self._embed(ctx), ctx.positions, ctx.last_token_index)       # [S, vocab]
 
+    @torch.compiler.disable(recursive=False)
+    @torch.no_grad()
+    def all_logits(self, ctx) -> torch.Tensor:
+        """[T, vocab]: the logits of every token slot of the step (a speculative verify step
+        scores each of its drafts: ``graphrt.speculative.verify_step``)."""
+        rows = torch.arange(ctx.num_tokens, device=ctx.input_ids.device)
+        return self._run(ctx, self._embed(ctx), ctx.positions, rows)
+
     def _embed(self, ctx) -> torch.Tensor:
         ids = ctx.input_ids                                                  # [T]
         if ctx.embed_index is not None:       # placeholder ids may lie past the vocabulary: look up 0 there

@@ -1,0 +1,125 @@
+"""Greedy speculative decoding with every decision on the device (docs/speculative.md).
+
+A ``SpecState`` holds, per request row r, what only the device knows between steps:
+``length[r]`` (the request's tokens whose KV the target's cache holds and that are final)
+and ``tokens[r] = [prev, next, d_1 .. d_K]``: the token at ``length - 1``, the token to
+feed at ``length`` (the target's own choice), and the latest K drafts. The step functions
+below read and write it inside captured steps; the host stages steps whose lengths are
+upper bounds (every draft accepted) with blocks allocated for them, names each
+sequence's row and its tokens' offset against that row's length
+(``Runtime.step(..., requests=, offsets=)``), and reads the emitted tokens whenever it
+chooses (one iteration later, say), never to decide the next step.
+
+One iteration for requests whose target and draft caches hold their prompts:
+- the draft: one step of two tokens a sequence at offset -1 ([prev, next]), then K - 1
+  steps of one token at offsets 1 .. K - 1 (the drafts so far): each writes the next draft
+  into ``tokens[r, 2 ..]`` (``draft_step``);
+- the target: one step of K + 1 tokens at offset 0 ([next, d_1 .. d_K]) (``verify_step``):
+  the drafts the target's argmax agrees with, from the first on, are accepted; it returns
+  the tokens that became final ([next, d_1 .. d_a], 1 + a of them) and moves the row on:
+  length += 1 + a, prev = the last of those, next = the target's token after them.
+Rejected drafts' KV rows lie past the new length: never attended, and overwritten.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from graphrt.kernels.speculative import accept_greedy, place_tokens
+
+
+class SpecState:
+    """Device-owned rows of ``max_requests`` requests for K = ``drafts`` drafts a step,
+    shared by the draft's and the target's runtimes (allocated once: their graphs read and
+    write these addresses). Row ``max_requests`` is where padding sequences write."""
+
+    def __init__(self, max_requests: int, drafts: int, device: torch.device | str):
+        for name, v in (("max_requests", max_requests), ("drafts", drafts)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"SpecState {name} must be a positive int, got {v!r}")
+        self.max_requests, self.drafts = max_requests, drafts
+        self.length = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)            # [R + 1]
+        self.tokens = torch.zeros(max_requests + 1, drafts + 2, dtype=torch.int64, device=device)  # [R + 1, K + 2]
+        self.accepted = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)          # [R + 1]
+
+    def rows(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [S] int64, valid [S] bool): each sequence's row, padding sent to the last."""
+        request = _speculative(ctx)["request"]
+        valid = (request >= 0) & (request < self.max_requests)
+        return torch.where(valid, request, self.max_requests).long(), valid
+
+
+def _speculative(ctx) -> dict:
+    if getattr(ctx, "speculative", None) is None:
+        raise RuntimeError("graphrt.speculative steps need RuntimeConfig(speculative=True): each sequence's row "
+                           "and offset travel in the step's copy")
+    return ctx.speculative
+
+
+def _place(ctx, state: SpecState) -> None:
+    """The step's lengths, positions, slots and ids from the state (before the model runs)."""
+    spec = _speculative(ctx)
+    meta = ctx.meta
+    place_tokens(spec["request"], spec["offset"], state.length, query_start_loc=meta.query_start_loc,
+                 seq_lens=meta.seq_lens, positions=ctx.positions, slot_mapping=meta.slot_mapping,
+                 block_table=meta.block_table, block_size=ctx.block_size, input_ids=ctx.input_ids,
+                 tokens=state.tokens)
+
+
+def prefill_step(state: SpecState, last_logits: Callable) -> Callable:
+    """A target's prompt step (placed by the host as usual): ``last_logits(ctx)`` [S, V]
+    (each sequence's last token); then each named row takes length = the sequence's
+    length, prev = its last token, next = the argmax. Returns the next ids [S]."""
+
+    def step(ctx):
+        logits = last_logits(ctx)
+        rows, valid = state.rows(ctx)
+        ids = logits.argmax(dim=-1)                                            # [S]
+        state.length[rows] = torch.where(valid, ctx.meta.seq_lens, 0)
+        state.tokens[rows, 0] = ctx.input_ids[ctx.last_token_index]
+        state.tokens[rows, 1] = ids
+        return ids
+    return step
+
+
+def draft_step(state: SpecState, last_logits: Callable) -> Callable:
+    """A draft step placed from the state: each sequence's argmax after its last token is the
+    draft at position length + offset + q, stored at ``tokens[r, 1 + offset + q]``.
+    Returns the drafts [S]."""
+
+    def step(ctx):
+        _place(ctx, state)
+        logits = last_logits(ctx)
+        rows, _ = state.rows(ctx)
+        qsl = ctx.meta.query_start_loc
+        col = (1 + _speculative(ctx)["offset"] + (qsl[1:] - qsl[:-1])).clamp(0, state.drafts + 1).long()
+        ids = logits.argmax(dim=-1)
+        state.tokens[rows, col] = ids
+        return ids
+    return step
+
+
+def verify_step(state: SpecState, all_logits: Callable) -> Callable:
+    """The target's verify step placed from the state (K + 1 tokens a sequence at offset 0):
+    ``all_logits(ctx)`` [T, V] (every token's). Returns (emitted [S, K + 1] int64, counts
+    [S] int32): the first counts[i] of row i became final this step (0 for padding)."""
+
+    def step(ctx):
+        _place(ctx, state)
+        logits = all_logits(ctx)
+        k = state.drafts
+        rows, valid = state.rows(ctx)
+        qsl = ctx.meta.query_start_loc
+        at = (qsl[:-1, None].long() + torch.arange(k + 1, device=logits.device)).clamp(max=logits.shape[0] - 1)
+        target = logits.argmax(dim=-1)[at]                                      # [S, K + 1]
+        row_tokens = state.tokens[rows]                                         # [S, K + 2]
+        accepted, next_ids = accept_greedy(target, row_tokens[:, 2:])
+        emitted = row_tokens[:, 1:]                                             # [next, d_1 .. d_K]
+        state.length[rows] = state.length[rows] + 1 + accepted
+        state.tokens[rows, 0] = row_tokens.gather(1, 1 + accepted.long()[:, None]).squeeze(1)
+        state.tokens[rows, 1] = next_ids
+        state.accepted[rows] = accepted
+        return emitted, torch.where(valid, 1 + accepted, 0)
+    return step
