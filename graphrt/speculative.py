@@ -123,3 +123,95 @@ def verify_step(state: SpecState, all_logits: Callable) -> Callable:
         state.accepted[rows] = accepted
         return emitted, torch.where(valid, 1 + accepted, 0)
     return step
+
+
+class SpeculativeLoop:
+    """Greedy speculative decoding of a fixed batch of requests (state rows 0 .. n - 1) over
+    four runtimes: the target's prompt and verify runtimes and the draft's prompt and
+    draft runtimes (each pair sharing its KV cache). The host only stages: its bound on
+    each row's length grows by K + 1 an iteration and comes down by the drafts a verify
+    rejected once that verify's counts have reached the host (a non-blocking copy, read
+    when it has landed, and not before ``lag`` more iterations were staged: by default
+    the host stages each iteration before it knows the last one's counts); ``blocks`` must
+    hold the bound (``bounds``). ``iterate`` returns the
+    verify step's outputs copied on the device (emitted [n, K + 1], counts [n]); reading
+    them is the caller's choice."""
+
+    RING = 4       # verify counts in flight to the host before it waits for the oldest
+
+    def __init__(self, state: SpecState, target_prompt, target_verify, draft_prompt, draft, *, lag: int = 1):
+        if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag < self.RING:
+            raise ValueError(f"lag must be an int in [0, {self.RING}), got {lag!r}")
+        self.state, self.k, self.lag = state, state.drafts, lag
+        self.runtimes = (target_prompt, target_verify, draft_prompt, draft)
+        self.blocks: list[list[int]] = []
+        self.upper: list[int] = []
+        cuda = state.length.is_cuda
+        # each verify's counts go to the host in a non-blocking copy; the host settles its
+        # bounds from them once they have landed (``settle``), never waiting for one unless
+        # RING iterations are in flight
+        self._host = [torch.zeros(state.max_requests, dtype=torch.int32, pin_memory=cuda) for _ in range(self.RING)]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(self.RING)]
+        self._pending: list[int] = []           # ring slots of iterations not yet settled, oldest first
+        self._next = 0
+
+    @property
+    def bounds(self) -> list[int]:
+        """The host's bound on each row's length (the true length once every verify has
+        landed)."""
+        return list(self.upper)
+
+    def prefill(self, prompts: list, blocks: list[list[int]]):
+        """Both models' prompt steps (rows 0 .. n - 1); returns the target's first tokens [n]."""
+        import numpy as np
+
+        from graphrt.step import SeqStep, Step
+
+        t_pre, _, d_pre, _ = self.runtimes
+        if len(prompts) > self.state.max_requests:
+            raise ValueError(f"{len(prompts)} requests for a SpecState of {self.state.max_requests} rows")
+        step = Step([SeqStep(q_len=len(p), context_len=0, block_ids=b) for p, b in zip(prompts, blocks)])
+        ids = np.concatenate([np.asarray(p) for p in prompts])
+        first = t_pre.step(step, ids, requests=list(range(len(prompts))))
+        d_pre.step(step, ids)
+        self.blocks, self.upper = [list(b) for b in blocks], [len(p) for p in prompts]
+        self._pending.clear()
+        return first[: len(prompts)]
+
+    def settle(self, keep: int = 0) -> None:
+        """Lower the host's bounds by the drafts each landed verify rejected, oldest first,
+        leaving the newest ``keep`` unread; waits for a copy only when RING are in flight."""
+        while len(self._pending) > keep:
+            slot = self._pending[0]
+            event = self._events[slot]
+            if event is not None and not event.query():
+                if len(self._pending) < self.RING:
+                    return
+                event.synchronize()             # RING iterations ahead: back-pressure
+            counts = self._host[slot][: len(self.upper)].tolist()      # landed: a host read, no sync
+            self.upper = [u - (self.k + 1 - c) for u, c in zip(self.upper, counts)]
+            self._pending.pop(0)
+
+    def iterate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K draft steps and one verify step."""
+        from graphrt.step import SeqStep, Step
+
+        _, t_ver, _, d_dec = self.runtimes
+        self.settle(keep=self.lag)
+        n, k = len(self.upper), self.k
+        rows = list(range(n))
+
+        def step(q_len: int, first: int) -> Step:     # positions bounded by every draft accepted so far
+            return Step([SeqStep(q_len=q_len, context_len=u + first, block_ids=b) for u, b in zip(self.upper, self.blocks)])
+        d_dec.step(step(2, -1), requests=rows, offsets=[-1] * n)
+        for j in range(2, k + 1):
+            d_dec.step(step(1, j - 1), requests=rows, offsets=[j - 1] * n)
+        emitted, counts = t_ver.step(step(k + 1, 0), requests=rows, offsets=[0] * n)
+        self.upper = [u + k + 1 for u in self.upper]
+        slot = self._next
+        self._next = (slot + 1) % self.RING
+        self._host[slot][:n].copy_(counts[:n], non_blocking=True)
+        if self._events[slot] is not None:
+            self._events[slot].record()
+        self._pending.append(slot)
+        return emitted[:n].clone(), counts[:n].clone()

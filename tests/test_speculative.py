@@ -180,29 +180,17 @@ def speculative_setup(device, dtype, draft_seed: int, k: int, draft_noise: float
     return cfg, state, (t_pre, t_ver, d_pre, d_dec), plain
 
 
-def run_speculative(runtimes, prompts, blocks, k: int, iterations: int):
-    """Prefill both models, then ``iterations`` of draft (k steps) and verify; the host only
-    stages (upper-bound lengths) and keeps each verify's outputs on the device."""
-    from graphrt import SeqStep, Step
+def run_speculative(runtimes, prompts, blocks, k: int, iterations: int, state=None):
+    """Prefill both models, then ``iterations`` of draft (k steps) and verify
+    (``graphrt.speculative.SpeculativeLoop``); each verify's outputs stay on the device."""
+    from graphrt.speculative import SpeculativeLoop
 
-    t_pre, t_ver, d_pre, d_dec = runtimes
-    rows = list(range(len(prompts)))
-    prefill = Step([SeqStep(q_len=len(p), context_len=0, block_ids=b) for p, b in zip(prompts, blocks)])
-    ids = np.concatenate(prompts)
-    t_pre.step(prefill, ids, requests=rows)
-    d_pre.step(prefill, ids)
-    outputs = []
-    upper = [len(p) for p in prompts]               # the host's bound on each row's length
-    for _ in range(iterations):
-        d_dec.step(Step([SeqStep(q_len=2, context_len=u - 1, block_ids=b) for u, b in zip(upper, blocks)]),
-                   requests=rows, offsets=[-1] * len(rows))
-        for j in range(2, k + 1):
-            d_dec.step(Step([SeqStep(q_len=1, context_len=u + j - 1, block_ids=b) for u, b in zip(upper, blocks)]),
-                       requests=rows, offsets=[j - 1] * len(rows))
-        emitted, counts = t_ver.step(Step([SeqStep(q_len=k + 1, context_len=u, block_ids=b)
-                                           for u, b in zip(upper, blocks)]), requests=rows, offsets=[0] * len(rows))
-        outputs.append((emitted[: len(rows)].clone(), counts[: len(rows)].clone()))
-        upper = [u + k + 1 for u in upper]
+    loop = SpeculativeLoop(state, *runtimes)
+    loop.prefill(prompts, blocks)
+    outputs = [loop.iterate() for _ in range(iterations)]
+    if state.length.device.type == "cpu":       # every count has landed: the bounds are the lengths
+        loop.settle()
+        assert loop.bounds == state.length[: len(prompts)].tolist()
     return outputs
 
 
@@ -234,7 +222,7 @@ def test_speculative_loop_gives_the_targets_greedy_tokens(draft_seed, noise, k, 
     prompts = [rng.integers(0, 64, n) for n in (7, 12, 9)]
     blocks = [list(range(16 * r, 16 * r + 16)) for r in range(3)]
     iterations = 5
-    outputs = run_speculative(runtimes, prompts, blocks, k, iterations)
+    outputs = run_speculative(runtimes, prompts, blocks, k, iterations, state)
     got = [[] for _ in prompts]
     accepted = []
     for emitted, counts in outputs:
@@ -270,11 +258,11 @@ def test_speculative_loop_replays_with_one_copy_a_step_and_no_sync():
     rng, _ = rngs(fresh_seed())
     prompts = [rng.integers(0, 64, n) for n in (7, 12, 9)]
     blocks = [list(range(16 * r, 16 * r + 16)) for r in range(3)]
-    run_speculative(runtimes, prompts, blocks, k, 1)            # warm-up (the prefill resets the rows)
+    run_speculative(runtimes, prompts, blocks, k, 1, state)            # warm-up (the prefill resets the rows)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("graphrt_steps"):
-            outputs = run_speculative(runtimes, prompts, blocks, k, iterations)
+            outputs = run_speculative(runtimes, prompts, blocks, k, iterations, state)
         torch.cuda.synchronize()
     assert all(rt.last.mode == "replay" for rt in runtimes), [rt.last for rt in runtimes]
     counted = count_transfers(prof, "graphrt_steps")
