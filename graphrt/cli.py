@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--chunk", type=int, default=None,
                       help="prefill tokens per step (chunked prefill; default 32, 12 with --model)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--speculative", action="store_true",
+                      help="greedy speculative decoding of a tiny Llama with a draft model, acceptance on the "
+                           "device (needs the transformers extra)")
     demo.add_argument("--sample", action="store_true",
                       help="draw tokens inside the step (temperature 0.8, top-k 50, top-p 0.95, a seed per "
                            "request) instead of the loop's argmax")
@@ -74,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_profile(device=device, layers=args.layers, batch=args.batch, context=args.context,
                            steps=args.steps, warmup=args.warmup, trace=args.trace, nsys=args.nsys,
                            prefill=args.prefill)
+    if args.speculative:
+        from graphrt.demo_speculative import run_speculative_demo
+
+        return run_speculative_demo(device=device, seed=args.seed)
     if args.model != "toy":
         from graphrt.demo_transformers import run_transformers_demo
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -33,3 +35,11 @@ def test_demo_samples_in_the_step(tmp_path):
     assert drawn and int(drawn[2]) > 0, run.stdout[-3000:]
     if "cpu," in run.stdout:        # fp32 on both sides: every draw the same
         assert drawn[1] == drawn[2], run.stdout[-3000:]
+
+
+def test_demo_speculative(tmp_path):
+    pytest.importorskip("transformers")
+    run = subprocess.run([sys.executable, "-m", "graphrt", "demo", "--speculative"], capture_output=True, text=True,
+                         timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "tokens equal the target's greedy decoding: yes" in run.stdout, run.stdout[-3000:]
