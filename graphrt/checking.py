@@ -19,6 +19,9 @@ from graphrt.step import Step, build_metadata
 
 
 class _ReferenceContext:
+    """A ``graphrt.context.ModelContext`` over the runner's own caches: metadata built from the
+    Step, float64 attention and sampling."""
+
     def __init__(self, runner: "ReferenceRunner", step: Step, input_ids, embeds, embed_rows, positions, sampling):
         self.meta, self.positions = build_metadata(step, runner.cfg, runner.device)   # [T]
         rows = runner.cfg.position_rows

@@ -42,7 +42,8 @@ def precompile_by_default() -> bool:
 
 
 class StepContext:
-    """What a model step sees: the bucket's static device inputs and graphrt attention."""
+    """What a model step sees: the bucket's static device inputs and graphrt attention (a
+    ``graphrt.context.ModelContext``, as the reference runner's context is)."""
 
     def __init__(self, runtime: "Runtime", views: DeviceViews, *, max_query_len: int | None, num_splits: int):
         self.meta = views.meta                    # AttentionMetadata of the bucket
