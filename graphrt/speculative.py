@@ -27,7 +27,8 @@ from typing import Callable
 
 import torch
 
-from graphrt.kernels.speculative import accept_greedy, place_tokens
+from graphrt.kernels.ops import place_tokens as place_tokens_op
+from graphrt.kernels.speculative import accept_greedy
 
 
 class SpecState:
@@ -62,10 +63,9 @@ def _place(ctx, state: SpecState) -> None:
     """The step's lengths, positions, slots and ids from the state (before the model runs)."""
     spec = _speculative(ctx)
     meta = ctx.meta
-    place_tokens(spec["request"], spec["offset"], state.length, query_start_loc=meta.query_start_loc,
-                 seq_lens=meta.seq_lens, positions=ctx.positions, slot_mapping=meta.slot_mapping,
-                 block_table=meta.block_table, block_size=ctx.block_size, input_ids=ctx.input_ids,
-                 tokens=state.tokens)
+    # the custom op: opaque to torch.compile, as graphrt's attention is
+    place_tokens_op(spec["request"], spec["offset"], state.length, meta.query_start_loc, meta.seq_lens, ctx.positions,
+                    meta.slot_mapping, meta.block_table, ctx.block_size, ctx.input_ids, state.tokens)
 
 
 def prefill_step(state: SpecState, last_logits: Callable) -> Callable:

@@ -7,7 +7,8 @@ functionalization and Inductor's re-inplacing keep the writes). Their fake
 implementations do nothing: every output is an argument. Eager code should call
 ``graphrt.kernels.write_kv`` / ``paged_attention`` directly (no dispatcher overhead);
 ``graphrt.StepContext.attention`` switches to these ops while it is being compiled.
-``torch.ops.graphrt.sample`` draws a step's next tokens (``StepContext.sample``).
+``torch.ops.graphrt.sample`` draws a step's next tokens (``StepContext.sample``);
+``torch.ops.graphrt.place_tokens`` places a speculative step's tokens (``graphrt.speculative``).
 ``torch.ops.graphrt.small_linear`` is a plain functional op: a compiled step's matmuls of a
 few rows become it after tracing (``graphrt.capture.linear_pass``).
 """
@@ -23,6 +24,7 @@ from .linear import small_linear as _small_linear
 from .metadata import AttentionMetadata
 from .paged_attention import paged_attention as _paged_attention
 from .sampling import sample as _sample
+from .speculative import place_tokens as _place_tokens
 
 
 @torch.library.custom_op("graphrt::write_kv", mutates_args=("k_cache", "v_cache"))
@@ -121,6 +123,23 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 @sample.register_fake
 def _(logits, temperature, top_k, top_p, min_p, seed, counter):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+@torch.library.custom_op("graphrt::place_tokens", mutates_args=("seq_lens", "positions", "slot_mapping", "input_ids"))
+def place_tokens(request: torch.Tensor, offset: torch.Tensor, length: torch.Tensor, query_start_loc: torch.Tensor,
+                 seq_lens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_table: torch.Tensor, block_size: int, input_ids: torch.Tensor, tokens: torch.Tensor) -> None:
+    """``graphrt.kernels.speculative.place_tokens`` with ids: a speculative step's lengths,
+    positions, slots and ids from device-owned lengths (``graphrt.speculative``)."""
+    _place_tokens(request, offset, length, query_start_loc=query_start_loc, seq_lens=seq_lens, positions=positions,
+                  slot_mapping=slot_mapping, block_table=block_table, block_size=block_size, input_ids=input_ids,
+                  tokens=tokens)
+
+
+@place_tokens.register_fake
+def _(request, offset, length, query_start_loc, seq_lens, positions, slot_mapping, block_table, block_size,
+      input_ids, tokens) -> None:
+    return None
 
 
 # the ops that run graphrt attention: what a compiled step's graphs must hold, once a layer

@@ -10,7 +10,7 @@ import torch
 
 from _cases import TOL, Seq, assert_close, build_meta, fresh_seed, rngs
 from _model import random_step
-from graphrt import Runtime
+from graphrt import Runtime, SeqStep, Step
 from graphrt.capture import CompileError, CompileOptions
 from graphrt.kernels import paged_attention, reference, split_workspace, write_kv
 from graphrt.kernels.ops import attention_op
@@ -217,3 +217,49 @@ def test_compiled_decoder_runs_small_linear(small_linear):
     assert bool(linear) == small_linear, names
     record = loops[0].rt.compiler.records
     assert all(r.attention_ops == 2 for r in record.values()), [str(r) for r in record.values()]
+
+
+def test_compiled_steps_sample_and_place_speculative_tokens(device):
+    """graphrt's sampling and speculative placement trace as custom ops: a compiled step that
+    samples draws the uncompiled step's tokens, and a compiled speculative loop gives the
+    uncompiled loop's tokens."""
+    from graphrt import SamplingParams
+    from graphrt.toy import ToyModel as Toy
+
+    cfg = small_cfg(num_blocks=40, max_num_seqs=2, max_num_tokens=32, max_model_len=96, sampling=True)
+    model = Toy(cfg, num_layers=2, hidden=64, vocab=50, seed=3, device=device)
+
+    def step_fn(ctx):
+        return ctx.sample(model(ctx)[1])
+    compiled = Runtime(cfg, step_fn, num_layers=2, device=device, compile=_options(device))
+    plain = Runtime(cfg, step_fn, num_layers=2, device=device)
+    compiled.capture(decode_buckets=[2], mixed_buckets=[32], quiet=True)
+    settings = [SamplingParams(0.9, top_k=10, seed=1), SamplingParams(1.1, top_p=0.8, seed=2)]
+    step = Step([SeqStep(q_len=5, context_len=0, block_ids=[1]), SeqStep(q_len=3, context_len=0, block_ids=[2])])
+    got = compiled.step(step, list(range(8)), sampling=settings)
+    assert compiled.last.mode in ("compiled", "replay")
+    assert got[:2].tolist() == plain.step(step, list(range(8)), sampling=settings).tolist()
+    assert any("graphrt.sample" in r.ops for r in compiled.compiler.records.values()), \
+        [dict(r.ops) for r in compiled.compiler.records.values()]
+
+
+def test_compiled_speculative_loop_matches_the_uncompiled_one(device):
+    pytest.importorskip("transformers")
+    import numpy as np
+
+    from test_speculative import run_speculative, speculative_setup
+
+    outs = {}
+    for name, options in (("plain", None), ("compiled", _options(device))):
+        cfg, state, runtimes, _ = speculative_setup(device, torch.float32, 0, 2, 0.1, compile=options)
+        prompts = [np.arange(3, 10), np.arange(20, 31)]
+        blocks = [list(range(16 * r, 16 * r + 16)) for r in range(2)]
+        if options is not None:
+            for rt in runtimes:
+                rt.capture(decode_buckets=[2], mixed_buckets=[8, 32], quiet=True)
+        outs[name] = [(e.tolist(), c.tolist()) for e, c in run_speculative(runtimes, prompts, blocks, 2, 3, state)]
+        if options is not None:
+            assert runtimes[1].last.mode in ("compiled", "replay")
+            ops = {op for r in runtimes[1].compiler.records.values() for op in r.ops}
+            assert "graphrt.place_tokens" in ops, ops
+    assert outs["compiled"] == outs["plain"]
