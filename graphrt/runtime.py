@@ -218,6 +218,7 @@ class Runtime:
         self._weight_slots: list[tuple[str, dict, str]] | None = None
         self._weight_lookup: tuple[list[dict], list[str]] | None = None   # owners and keys of _weight_slots
         self.last: StepInfo | None = None
+        self._checked_sampling: tuple | None = None   # the last tuple of SamplingParams checked
         self._prepared: dict[Bucket, tuple[Layout, StepContext]] = {}    # what a replay of the bucket stages into
 
     def set_kv_scales(self, k_scales: Any, v_scales: Any) -> None:
@@ -371,7 +372,9 @@ class Runtime:
         host_ids, device_ids = _check_input_ids(input_ids, step.num_tokens, self.device)
         rows = _check_embeds(embeds, embed_rows, step.num_tokens, self.cfg, self.device)
         host_positions = _check_positions(positions, step.num_tokens, self.cfg)
-        _check_sampling(sampling, step.num_seqs, self.cfg)
+        if sampling is None or sampling is not self._checked_sampling or len(sampling) != step.num_seqs:
+            _check_sampling(sampling, step.num_seqs, self.cfg)   # (a tuple passed again was checked: immutable)
+            self._checked_sampling = sampling if isinstance(sampling, tuple) else None
         requests, offsets = _check_speculative(requests, offsets, step.num_seqs, self.cfg)
         n_seqs, n_tokens = step.num_seqs, step.num_tokens
         captured = self.graphs.pick(n_seqs, n_tokens, step.is_decode) if self.graphs else None

@@ -129,7 +129,7 @@ def sampling_keep(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     whose softmax mass at ``temperature`` reaches ``top_p`` (ties kept), then the tokens of
     probability >= ``min_p`` times the largest. Returns (keep [V] bool, probs [V] float64,
     0 outside keep); greedy (temperature 0) keeps the first maximum alone."""
-    x = logits.double().nan_to_num(nan=-math.inf)
+    x = logits.double().nan_to_num(nan=-math.inf, neginf=-math.inf)
     v = x.shape[0]
     keep = torch.zeros(v, dtype=torch.bool)
     m = x.max()
@@ -163,7 +163,7 @@ def sample(logits: torch.Tensor, temperature, top_k, top_p, min_p, seed, counter
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     for i, row in enumerate(logits.cpu()):
         keep, _ = sampling_keep(row, float(temperature[i]), int(top_k[i]), float(top_p[i]), float(min_p[i]))
-        x = row.double().nan_to_num(nan=-math.inf)
+        x = row.double().nan_to_num(nan=-math.inf, neginf=-math.inf)
         if float(temperature[i]) <= 0 or int(keep.sum()) == 1:
             out[i] = int(torch.nonzero(keep)[0])
             continue

@@ -32,14 +32,14 @@ def settings(rows: list[tuple], device) -> dict:
 
 def kept(logits: torch.Tensor, lowest: torch.Tensor) -> torch.Tensor:
     """[S, V] bool: the kernel's kept set, every logit at or above its row's lowest kept."""
-    x = logits.float().cpu().nan_to_num(nan=-math.inf)
+    x = logits.float().cpu().nan_to_num(nan=-math.inf, neginf=-math.inf)
     return (x >= lowest.cpu()[:, None]) & (x > -math.inf)
 
 
 def draw_gap(row: torch.Tensor, keep: torch.Tensor, t: float, seed: int, counter: int) -> float:
     """How far apart the reference's two best Gumbel scores are (a near tie may go either way
     between the kernel's fp32 and the reference's float64)."""
-    x = row.double().nan_to_num(nan=-math.inf)
+    x = row.double().nan_to_num(nan=-math.inf, neginf=-math.inf)
     u = torch.from_numpy(philox_uniform(seed, counter, np.arange(row.shape[0]))).double()
     g = torch.where(keep, (x - x.max()) / t - torch.log(-torch.log(u)), -math.inf).sort(descending=True).values
     return float(g[0] - g[1]) if keep.sum() > 1 else math.inf
@@ -69,6 +69,9 @@ def test_sample_matches_reference(dtype, vocab, device):
                                                                      "seed", "counter")))
     got = kept(logits, lowest)
     for i, (t, k, p, mp, sd, c) in enumerate(rows):
+        if t == 0:      # greedy: the first maximum (lowest is the maximum, which low-precision ties share)
+            assert int(ids[i]) == int(ref[i]) == int(torch.argmax(logits[i].float().cpu())), f"row {i} (seed {seed})"
+            continue
         keep, _ = reference.sampling_keep(logits[i].cpu(), t, k, p, mp)
         assert torch.equal(got[i], keep), (f"row {i} {rows[i]} (seed {seed}): kept {int(got[i].sum())} tokens, "
                                            f"the reference {int(keep.sum())}; differ at "
@@ -264,6 +267,9 @@ def test_sample_on_the_gpu_replayed():
         assert torch.equal(out, eager), f"trial {trial} (seed {seed}): replay {out.tolist()}, eager {eager.tolist()}"
         got = kept(logits, lowest)
         for i, (t, k, p, mp, sd, c) in enumerate(rows):
+            if t == 0:
+                assert int(out[i]) == int(ref[i]), f"trial {trial} row {i} (seed {seed}): greedy"
+                continue
             keep, _ = reference.sampling_keep(logits[i].cpu(), t, k, p, mp)
             assert torch.equal(got[i], keep), f"trial {trial} row {i} {rows[i]} (seed {seed}): kept sets differ"
             if int(out[i]) != int(ref[i]):
@@ -393,3 +399,28 @@ def test_sampled_decode_loop_replays_with_one_copy_and_no_sync():
         lengths = [6 + j] * 4
         rows = [(p.temperature, p.top_k, p.top_p, p.min_p, p.seed, n) for p, n in zip(params, lengths)]
         assert torch.equal(ids, sample(logits, **settings(rows, dev))), f"decode step {j}"
+
+
+def test_a_tuple_of_settings_passed_again_is_packed_from_its_cache():
+    """The same tuple again reuses the arrays packed from it; another tuple, a list or
+    fewer sequences are packed afresh, and padding rows stay greedy."""
+    from graphrt import RuntimeConfig, SeqStep, Step
+    from graphrt.buffers import StepBuffers
+
+    cfg = RuntimeConfig(num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16, num_blocks=16, max_num_seqs=4,
+                        max_num_tokens=16, max_model_len=64, dtype=torch.float32, sampling=True)
+    buf = StepBuffers(cfg, "cpu")
+    layout = buf.layout(4, 4)
+    steps = {n: Step([SeqStep(q_len=1, context_len=3, block_ids=[i]) for i in range(n)]) for n in (2, 3)}
+    first = (SamplingParams(0.5, seed=11), SamplingParams(0.7, top_k=3, seed=12))
+    other = (SamplingParams(0.9, seed=21), SamplingParams(0.0, seed=22), SamplingParams(1.5, min_p=0.2, seed=23))
+
+    def staged(slot):
+        v = layout.views(buf._staging_np[slot])
+        return v["seed"].tolist(), v["temperature"].tolist(), v["top_p"].tolist()
+    for n, params in ((2, first), (2, first), (3, other), (2, first), (2, list(first)), (3, other), (3, other)):
+        slot = buf.pack(steps[n], layout, None, None, None, params)
+        seeds, temps, top_p = staged(slot)
+        assert seeds == [p.seed for p in params] + [0] * (4 - n), (n, seeds)
+        assert temps == pytest.approx([p.temperature for p in params] + [0.0] * (4 - n))
+        assert top_p == pytest.approx([1.0] * 4)
