@@ -133,9 +133,8 @@ class SpeculativeLoop:
     rejected once that verify's counts have reached the host (a non-blocking copy, read
     when it has landed, and not before ``lag`` more iterations were staged: by default
     the host stages each iteration before it knows the last one's counts); ``blocks`` must
-    hold the bound (``bounds``). ``iterate`` returns the
-    verify step's outputs copied on the device (emitted [n, K + 1], counts [n]); reading
-    them is the caller's choice."""
+    hold the bound (``bounds``). ``iterate`` returns the verify step's outputs copied on the
+    device (emitted [n, K + 1], counts [n]); reading them is the caller's choice."""
 
     RING = 4       # verify counts in flight to the host before it waits for the oldest
 
