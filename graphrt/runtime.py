@@ -278,7 +278,7 @@ class Runtime:
                               num_splits=(decode_splits(bucket.num_seqs, cfg.num_kv_heads, self.device)
                                           if bucket.kind == "decode" else 1))
             self._prepared[bucket] = (layout, ctx)
-            if self.compiler is not None:
+            if self.compiler is not None and bucket.kind in self.compiler.options.kinds:
                 return self.compiler.for_bucket(bucket, ctx)
             return lambda: self.model_step(ctx)
 
@@ -415,7 +415,8 @@ class Runtime:
                     outputs = self.graphs.replay(captured) if captured is not None else self.model_step(ctx)
                 finally:
                     domain.pop_range()
-        mode = "eager" if captured is None else "replay" if captured.graph is not None else "compiled"
+        mode = ("eager" if captured is None else "replay" if captured.graph is not None else
+                "compiled" if self.compiler is not None and captured.bucket in self.compiler.records else "eager")
         self.last = StepInfo(mode, bucket, n_seqs, n_tokens, nbytes)
         return outputs
 

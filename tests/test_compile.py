@@ -263,3 +263,31 @@ def test_compiled_speculative_loop_matches_the_uncompiled_one(device):
             ops = {op for r in runtimes[1].compiler.records.values() for op in r.ops}
             assert "graphrt.place_tokens" in ops, ops
     assert outs["compiled"] == outs["plain"]
+
+
+def test_compile_options_kinds_compiles_only_those_buckets(device):
+    """CompileOptions(kinds=("decode",)): decode buckets compiled, mixed ones captured from the
+    uncompiled step; both give the uncompiled runtime's outputs."""
+    import dataclasses
+
+    seed = fresh_seed()
+    rng, _ = rngs(seed)
+    cfg = small_cfg(num_blocks=120, max_num_seqs=4, max_num_tokens=64, max_model_len=160)
+    model = ToyModel(cfg, num_layers=2, hidden=64, vocab=50, seed=seed, device=device)
+    options = dataclasses.replace(_options(device), kinds=("decode",))
+    rt = Runtime(cfg, model, num_layers=2, device=device, compile=options)
+    plain = Runtime(cfg, model, num_layers=2, device=device)
+    rt.capture(decode_buckets=[4], mixed_buckets=[32], quiet=True)
+    assert [b.kind for b in rt.compiler.records] == ["decode"]
+    for decode in (True, False):
+        step = random_step(rng, cfg, num_seqs=3, decode=decode, max_tokens=32, max_ctx=90)
+        ids = rng.integers(0, 50, step.num_tokens)
+        got = tuple(t.clone() for t in rt.step(step, ids))
+        want = {True: "compiled", False: "eager"}[decode] if device.type == "cpu" else "replay"
+        assert rt.last.mode == want, (decode, rt.last)
+        compare(f"kinds step (decode {decode})", got, plain.step(step, ids), step.num_seqs, step.num_tokens,
+                torch.float32, seed)
+    with pytest.raises(ValueError, match="CompileOptions.kinds"):
+        CompileOptions(kinds=("prefill",))
+    with pytest.raises(ValueError, match="CompileOptions.kinds"):
+        CompileOptions(kinds=())
