@@ -132,3 +132,42 @@ def accept_greedy(target_ids: torch.Tensor, draft_ids: torch.Tensor) -> tuple[to
     accepted = same.cumprod(dim=1).sum(dim=1, dtype=torch.int32)       # [S]
     next_ids = target_ids.gather(1, accepted.long()[:, None]).squeeze(1)
     return accepted, next_ids
+
+
+def accept_rejection(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_ids: torch.Tensor,
+                     uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's acceptance rule: the emitted tokens follow the target's
+    distributions exactly, whatever the draft's.
+
+    target_probs [S, K + 1, V]: the target's (filtered, renormalised) distribution after each
+    of the verify step's K + 1 tokens; draft_probs [S, K, V]: the distributions the drafts
+    were drawn from; draft_ids [S, K] int64; uniforms [S, K + 1] in [0, 1): one per draft
+    (draft j is accepted when u_j * q_j(d_j) < p_j(d_j)) and one for the token after the
+    accepted ones, drawn from max(0, p_a - q_a) renormalised (p_K after K accepted; p_a
+    itself where that difference is all zero). Returns (accepted [S] int32, next_ids [S]
+    int64). Plain tensor ops, no host read: capturable."""
+    for name, t, dims in (("target_probs", target_probs, 3), ("draft_probs", draft_probs, 3),
+                          ("uniforms", uniforms, 2)):
+        check_tensor(name, t, dim=dims, dtypes=(torch.float32, torch.float64), device=target_probs.device)
+    check_tensor("draft_ids", draft_ids, dim=2, dtypes=(torch.int64,), device=target_probs.device)
+    s, k1, v = target_probs.shape
+    k = k1 - 1
+    for name, t, shape in (("draft_probs", draft_probs, (s, k, v)), ("draft_ids", draft_ids, (s, k)),
+                           ("uniforms", uniforms, (s, k + 1))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)} (target_probs is {list(target_probs.shape)}), got "
+                             f"{list(t.shape)}")
+    at = draft_ids.clamp(0, v - 1)[..., None]                                   # [S, K, 1]
+    p = target_probs[:, :k].gather(2, at).squeeze(2)                             # [S, K]
+    q = draft_probs.gather(2, at).squeeze(2)
+    accepted = (uniforms[:, :k] * q < p).to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
+    rows = accepted.long()[:, None, None].expand(s, 1, v)
+    p_a = target_probs.gather(1, rows).squeeze(1)                                # [S, V]
+    q_a = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], 1).gather(1, rows).squeeze(1)
+    residual = (p_a - q_a).clamp_min(0)
+    total = residual.sum(dim=1, keepdim=True)
+    residual = torch.where(total > 0, residual, p_a)
+    cdf = residual.cumsum(dim=1)                                                 # [S, V]
+    x = (uniforms[:, k:] * cdf[:, -1:]).contiguous()
+    next_ids = torch.searchsorted(cdf, x, right=True).squeeze(1).clamp(max=v - 1)
+    return accepted, next_ids

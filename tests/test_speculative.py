@@ -276,3 +276,51 @@ def test_speculative_loop_replays_with_one_copy_a_step_and_no_sync():
                          max(len(g) for g in got))
     for r in range(len(prompts)):
         assert got[r] == want[r][: len(got[r])], f"request {r}: speculative {got[r]}, greedy {want[r]}"
+
+
+def test_rejection_acceptance_emits_the_targets_distribution(device):
+    """One draft (K = 1) from a draft distribution unlike the target's: the first emitted
+    token (the draft when accepted, else the resampled one) follows the target's
+    distribution (chi-square at significance 0.001 over 40000 rows, fixed seeds), and the
+    acceptance rate is sum_x min(p(x), q(x))."""
+    from graphrt.kernels.speculative import accept_rejection
+
+    gen = torch.Generator().manual_seed(4)
+    s, v = 40000, 8
+    p = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02], dtype=torch.float64)
+    q = torch.tensor([0.05, 0.05, 0.30, 0.30, 0.10, 0.10, 0.05, 0.05], dtype=torch.float64)
+    target = torch.stack([p, p.flip(0)])[None].expand(s, 2, v).contiguous()          # [S, 2, V]
+    draft = q[None, None].expand(s, 1, v).contiguous()                               # [S, 1, V]
+    ids = torch.multinomial(q, s, replacement=True, generator=gen)[:, None]          # [S, 1]
+    u = torch.rand(s, 2, generator=gen, dtype=torch.float64)
+    accepted, nxt = accept_rejection(target.to(device), draft.to(device), ids.to(device), u.to(device))
+    accepted, nxt = accepted.cpu(), nxt.cpu()
+    first = torch.where(accepted == 1, ids[:, 0], nxt)
+    counts = torch.bincount(first, minlength=v).double()
+    expected = s * p
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    p_value = float(torch.special.gammaincc(torch.tensor((v - 1) / 2, dtype=torch.float64),
+                                            torch.tensor(stat / 2, dtype=torch.float64)))
+    assert p_value > 1e-3, f"chi-square {stat:.1f} on {v - 1} degrees of freedom: p = {p_value:.2e}"
+    rate, want = float(accepted.double().mean()), float(torch.minimum(p, q).sum())
+    assert abs(rate - want) < 4 * (want * (1 - want) / s) ** 0.5, (rate, want)
+    # every draft accepted: the token after them comes from the last distribution
+    sure = accept_rejection(target.to(device), target[:, :1].contiguous().to(device),
+                            torch.zeros(s, 1, dtype=torch.int64, device=device), u.to(device))
+    assert bool((sure[0] == 1).all())
+    bonus = torch.bincount(sure[1].cpu(), minlength=v).double()
+    stat = float(((bonus - s * p.flip(0)) ** 2 / (s * p.flip(0))).sum())
+    assert float(torch.special.gammaincc(torch.tensor((v - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64))) > 1e-3, stat
+
+
+def test_accept_rejection_refuses_bad_shapes(device):
+    from graphrt.kernels.speculative import accept_rejection
+
+    t = torch.zeros(2, 3, 5, device=device)
+    with pytest.raises(ValueError, match=r"draft_probs must be \[2, 2, 5\]"):
+        accept_rejection(t, torch.zeros(2, 3, 5, device=device), torch.zeros(2, 2, dtype=torch.int64, device=device),
+                         torch.zeros(2, 3, device=device))
+    with pytest.raises(ValueError, match=r"uniforms must be \[2, 3\]"):
+        accept_rejection(t, torch.zeros(2, 2, 5, device=device), torch.zeros(2, 2, dtype=torch.int64, device=device),
+                         torch.zeros(2, 2, device=device))
