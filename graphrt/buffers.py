@@ -108,13 +108,12 @@ class Layout:
              position_rows: int = 1, sampling: bool = False, speculative: bool = False) -> "Layout":
         options = (None, "embeds" if embeds else None, "sampling" if sampling else None,
                    "speculative" if speculative else None)
-        counts = {"tokens": num_tokens, "seqs": num_seqs, "seqs+1": num_seqs + 1, "ranges": num_seqs * max_ranges * 2,
-                  "positions": position_rows * num_tokens}
         offsets, at = {}, 0
-        for f in FIELDS:         # (plain arithmetic: an eager step makes its layout, ~4 us)
+        for f in FIELDS:
             if f.option in options:
                 offsets[f.name] = at
-                at += -(-counts[f.rows] * _ITEMSIZE[f.dtype] // _ALIGN) * _ALIGN
+                count = math.prod(_shape(f.rows, num_seqs, num_tokens, max_ranges, position_rows))
+                at += -(-count * _ITEMSIZE[f.dtype] // _ALIGN) * _ALIGN
         return Layout(num_seqs, num_tokens, max_ranges, max_blocks, offsets, at, position_rows)
 
     @property
@@ -147,8 +146,14 @@ class Layout:
 
 
 def _shape(rows: str, s: int, t: int, r: int, p: int) -> tuple:
-    return {"tokens": (t,), "seqs": (s,), "seqs+1": (s + 1,), "ranges": (s, r, 2),
-            "positions": (t,) if p == 1 else (p, t)}[rows]
+    """A field's shape in a bucket of s sequences, t tokens, r ranges and p position rows."""
+    if rows == "tokens" or (rows == "positions" and p == 1):
+        return (t,)
+    if rows == "seqs":
+        return (s,)
+    if rows == "seqs+1":
+        return (s + 1,)
+    return (s, r, 2) if rows == "ranges" else (p, t)
 
 
 _TORCH = {np.int32: torch.int32, np.int64: torch.int64, np.float32: torch.float32}
@@ -298,7 +303,7 @@ class StepBuffers:
                 v[name][n:] = f
             return
         fields = {name: v[name] for name in SAMPLING_FIELDS}
-        SamplingParams.fill(sampling, **fields)
+        SamplingParams.fill(sampling, **fields, checked=True)      # Runtime.step checked them
         if isinstance(sampling, tuple) and sampling:
             self._sampling_cache = (sampling, {name: a[: len(sampling)].copy() for name, a in fields.items()})
 

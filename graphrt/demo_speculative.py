@@ -15,33 +15,21 @@ import torch
 
 def run_speculative_demo(*, device: str, drafts: int = 3, iterations: int = 6, seed: int = 0) -> int:
     from graphrt import Runtime, SeqStep, Step
-    from graphrt.integrations.tiny import tiny_model
+    from graphrt.integrations.tiny import nudge, tiny_model
     from graphrt.integrations.transformers import TransformersModel
-    from graphrt.speculative import SpeculativeLoop, SpecState, draft_step, prefill_step, verify_step
+    from graphrt.speculative import SpeculativeLoop, SpecState, speculative_runtimes
 
     on_gpu = device == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     target = TransformersModel(tiny_model("llama", seed).to(device=device, dtype=dtype))
-    draft_hf = tiny_model("llama", seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in draft_hf.parameters():
-            if p.numel() > 1:
-                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.1)
-    draft = TransformersModel(draft_hf.to(device=device, dtype=dtype))
+    draft = TransformersModel(nudge(tiny_model("llama", seed), 0.1, seed + 1).to(device=device, dtype=dtype))
     requests, per_request = 3, 16                      # blocks of 16: room for 256 tokens each
     cfg = target.runtime_config(block_size=16, num_blocks=requests * per_request + 8, max_num_seqs=4,
                                 max_num_tokens=64, max_model_len=256, speculative=True)
     n, kw = target.num_layers, dict(device=device, strict=on_gpu)
     state = SpecState(requests, drafts, device)
-    t_pre = Runtime(cfg, prefill_step(state, target), num_layers=n, **kw)
-    t_ver = Runtime(cfg, verify_step(state, target.all_logits), num_layers=n,
-                    kv_caches=(t_pre.k_caches, t_pre.v_caches), **kw)
-    d_pre = Runtime(cfg, draft, num_layers=draft.num_layers, **kw)
-    d_dec = Runtime(cfg, draft_step(state, draft), num_layers=draft.num_layers,
-                    kv_caches=(d_pre.k_caches, d_pre.v_caches), **kw)
+    runtimes = speculative_runtimes(cfg, state, target, draft, **kw)
     plain = Runtime(cfg, target, num_layers=n, **kw)
-    runtimes = (t_pre, t_ver, d_pre, d_dec)
     if on_gpu:
         for rt in (*runtimes, plain):
             rt.capture(decode_buckets=[4], mixed_buckets=[16, 64], quiet=True)

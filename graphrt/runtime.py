@@ -447,9 +447,10 @@ def _check_sampling(sampling: Any, num_seqs: int, cfg: RuntimeConfig) -> None:
     if not isinstance(sampling, (list, tuple)) or len(sampling) != num_seqs:
         raise ValueError(f"sampling must be a list of {num_seqs} SamplingParams (one per sequence), got "
                          f"{len(sampling) if isinstance(sampling, (list, tuple)) else type(sampling).__name__}")
-    for i, p in enumerate(sampling):
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"sampling[{i}] must be a graphrt.SamplingParams, got {type(p).__name__}")
+    try:
+        SamplingParams.check(sampling, num_seqs)
+    except TypeError as e:          # named as the step's argument
+        raise TypeError(f"sampling{str(e).removeprefix('params')}".replace("a SamplingParams", "a graphrt.SamplingParams")) from None
 
 
 def _check_speculative(requests: Any, offsets: Any, num_seqs: int, cfg: RuntimeConfig):

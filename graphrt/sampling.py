@@ -56,16 +56,23 @@ class SamplingParams:
                              f"1 / T must be finite in float32), got {self.temperature!r}")
 
     @staticmethod
-    def fill(params: "list[SamplingParams]", *, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-             min_p: np.ndarray, seed: np.ndarray) -> None:
-        """Write ``params`` into the first ``len(params)`` entries of the arrays, and make
-        the rest greedy (padding rows draw nothing that matters, at the least cost)."""
-        n = len(params)
-        if n > temperature.shape[0]:
-            raise ValueError(f"{n} sampling settings for {temperature.shape[0]} rows")
+    def check(params, rows: int) -> None:
+        """``params`` holds at most ``rows`` SamplingParams (each checked when it was made)."""
+        if len(params) > rows:
+            raise ValueError(f"{len(params)} sampling settings for {rows} rows")
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+
+    @staticmethod
+    def fill(params: "list[SamplingParams]", *, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+             min_p: np.ndarray, seed: np.ndarray, checked: bool = False) -> None:
+        """Write ``params`` into the first ``len(params)`` entries of the arrays, and make
+        the rest greedy (padding rows draw nothing that matters, at the least cost).
+        ``checked``: the caller ran ``check`` (a step's packing, after ``Runtime.step``'s)."""
+        if not checked:
+            SamplingParams.check(params, temperature.shape[0])
+        n = len(params)
         temperature[:n] = [p.temperature for p in params]
         top_k[:n] = [p.top_k for p in params]
         top_p[:n] = [p.top_p for p in params]

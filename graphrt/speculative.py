@@ -125,6 +125,25 @@ def verify_step(state: SpecState, all_logits: Callable) -> Callable:
     return step
 
 
+def speculative_runtimes(cfg, state: SpecState, target, draft, **runtime_kw) -> tuple:
+    """The four runtimes a ``SpeculativeLoop`` drives: the target's prompt and verify
+    runtimes, sharing one KV cache, and the draft's prompt and draft runtimes, sharing
+    another. ``target`` and ``draft`` are model steps as ``TransformersModel`` gives them:
+    called on a ctx for each sequence's last-token logits, ``all_logits(ctx)`` for every
+    token's (the target's), and ``num_layers``. ``cfg``: ``RuntimeConfig(...,
+    speculative=True)``; ``runtime_kw``: the other ``Runtime`` arguments (device, strict,
+    compile, ...)."""
+    from graphrt.runtime import Runtime
+
+    t_pre = Runtime(cfg, prefill_step(state, target), num_layers=target.num_layers, **runtime_kw)
+    t_ver = Runtime(cfg, verify_step(state, target.all_logits), num_layers=target.num_layers,
+                    kv_caches=(t_pre.k_caches, t_pre.v_caches), **runtime_kw)
+    d_pre = Runtime(cfg, draft, num_layers=draft.num_layers, **runtime_kw)
+    d_dec = Runtime(cfg, draft_step(state, draft), num_layers=draft.num_layers,
+                    kv_caches=(d_pre.k_caches, d_pre.v_caches), **runtime_kw)
+    return t_pre, t_ver, d_pre, d_dec
+
+
 class SpeculativeLoop:
     """Greedy speculative decoding of a fixed batch of requests (state rows 0 .. n - 1) over
     four runtimes: the target's prompt and verify runtimes and the draft's prompt and

@@ -155,29 +155,18 @@ def speculative_setup(device, dtype, draft_seed: int, k: int, draft_noise: float
     adapter, on their own runtimes."""
     pytest.importorskip("transformers")
     from graphrt import Runtime
-    from graphrt.integrations.tiny import tiny_model
+    from graphrt.integrations.tiny import nudge, tiny_model
     from graphrt.integrations.transformers import TransformersModel
-    from graphrt.speculative import SpecState, draft_step, prefill_step, verify_step
+    from graphrt.speculative import SpecState, speculative_runtimes
 
     target = TransformersModel(tiny_model("llama", 0).to(device=device, dtype=dtype))
-    draft_hf = tiny_model("llama", draft_seed)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in draft_hf.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * p.std() * draft_noise if p.numel() > 1 else 0)
-    draft = TransformersModel(draft_hf.to(device=device, dtype=dtype))
+    draft = TransformersModel(nudge(tiny_model("llama", draft_seed), draft_noise, 5).to(device=device, dtype=dtype))
     cfg = target.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=64, max_model_len=256,
                                 speculative=True)
-    n = target.num_layers
     state = SpecState(4, k, device)
-    t_pre = Runtime(cfg, prefill_step(state, target), num_layers=n, device=device, **rt_kw)
-    t_ver = Runtime(cfg, verify_step(state, target.all_logits), num_layers=n, device=device,
-                    kv_caches=(t_pre.k_caches, t_pre.v_caches), **rt_kw)
-    d_pre = Runtime(cfg, draft, num_layers=draft.num_layers, device=device, **rt_kw)
-    d_dec = Runtime(cfg, draft_step(state, draft), num_layers=draft.num_layers, device=device,
-                    kv_caches=(d_pre.k_caches, d_pre.v_caches), **rt_kw)
-    plain = Runtime(cfg, target, num_layers=n, device=device)
-    return cfg, state, (t_pre, t_ver, d_pre, d_dec), plain
+    runtimes = speculative_runtimes(cfg, state, target, draft, device=device, **rt_kw)
+    plain = Runtime(cfg, target, num_layers=target.num_layers, device=device)
+    return cfg, state, runtimes, plain
 
 
 def run_speculative(runtimes, prompts, blocks, k: int, iterations: int, state=None):

@@ -193,6 +193,18 @@ def widen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
+@torch.no_grad()
+def nudge(model: torch.nn.Module, share: float, seed: int) -> torch.nn.Module:
+    """Move every weight matrix and vector of ``model`` by ``share`` of its own spread, from
+    ``seed`` (drawn on the CPU): a model that agrees with the original some of the time (a
+    speculative draft of it, say)."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.numel() > 1:
+            p.add_((torch.randn(p.shape, generator=gen) * p.std().cpu() * share).to(p.device, p.dtype))
+    return model
+
+
 def make_requests(rng: np.random.Generator, model: TransformersModel, *, kind: str, device,
                   new_tokens: int = 4) -> list[Request]:
     """Three requests joining at steps 0, 1 and 3; where the family takes images, the first
