@@ -15,6 +15,8 @@ REQUIRED = {"step": {"impl", "layers", "batch", "host_us", "wall_us"},
             "soak": {"impl", "steps", "checked", "mismatches", "host_us", "host_us_windows"},
             "parallel": {"impl", "ranks", "batch", "wall_us", "host_us", "speedup_vs_1"},
             "sampling": {"impl", "vocab", "batch", "setting", "ms"},
+            "speculative": {"batch", "drafts", "draft", "acceptance", "plain_tok_s", "spec_tok_s", "speedup",
+                            "tokens_equal"},
             "model": {"model", "batch", "prompt", "graphrt_ms", "graphrt_compiled_ms", "compiled_capture_s",
                       "compiled_tokens_agree", "hf_eager_ms", "floor_ms", "first_token_ms",
                       "tokens_agree"}}
@@ -35,6 +37,13 @@ def test_bench_quick(name, tmp_path):
         assert all(r["compiled_tokens_agree"] == r["new_tokens"] for r in data["rows"]), data["rows"]   # are eager's
     if name == "sampling":      # every cell timed both ways
         assert {r["impl"] for r in data["rows"]} == {"graphrt", "torch_eager"} and all(r["ms"] > 0 for r in data["rows"])
+    if name == "speculative":   # the exact draft accepts every draft, the independent one (nearly) none; the
+        # emitted tokens are the target's greedy ones (fp32 on the CPU: exactly)
+        by = {r["draft"]: r for r in data["rows"]}
+        exact = 1.0 if not torch.cuda.is_available() else 0.9       # (bf16: the verify's tiles against the draft's)
+        assert by["same"]["acceptance"] >= exact and by["independent"]["acceptance"] < 0.5, data["rows"]
+        if not torch.cuda.is_available():
+            assert all(r["tokens_equal"] == 1.0 for r in data["rows"]), data["rows"]
     if name == "soak":
         assert data["rows"][0]["checked"] >= 2 and data["rows"][0]["mismatches"] == 0, data["rows"][0]
     if name == "capture":       # a cold Triton cache, then the same cache warm, each in a fresh process;
