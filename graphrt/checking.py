@@ -44,15 +44,21 @@ class _ReferenceContext:
         self._runner = runner
         self._sampling = sampling
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, *, probs: bool = False):
         """[S] int64 drawn by the float64 reference with the runtime's uniforms (the same
-        settings and counters, each sequence's length), greedy where ``sampling`` is None."""
+        settings and counters, each sequence's length), greedy where ``sampling`` is None;
+        ``probs``: with the kept sets' distributions [S, V] (float32, as the runtime's)."""
         from graphrt.sampling import GREEDY
 
         params = self._sampling or [GREEDY] * self.num_seqs
         lengths = self.meta.seq_lens.cpu()
         cols = [torch.tensor([getattr(p, f) for p in params]) for f in ("temperature", "top_k", "top_p", "min_p", "seed")]
-        return reference.sample(logits.cpu(), *cols, lengths).to(logits.device)
+        ids = reference.sample(logits.cpu(), *cols, lengths).to(logits.device)
+        if not probs:
+            return ids
+        dists = torch.stack([reference.sampling_keep(row, p.temperature, p.top_k, p.top_p, p.min_p)[1]
+                             for row, p in zip(logits.cpu(), params)])
+        return ids, dists.float().to(logits.device)
 
     def merge_embeds(self, x: torch.Tensor) -> torch.Tensor:
         return merge_embeds(x, self.inputs_embeds, self.embed_index)

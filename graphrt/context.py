@@ -46,9 +46,9 @@ class ModelContext(AttentionContext, Protocol):
         """``x`` with the rows of tokens that brought an input embedding replaced by it."""
         ...
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, *, probs: bool = False):
         """[S] int64: each sequence's next token from its row of ``logits`` [S, V], with the
-        step's sampling settings."""
+        step's sampling settings; ``probs``: (ids, the distributions drawn from [S, V])."""
         ...
 
 

@@ -29,6 +29,8 @@ from graphrt.config import RuntimeConfig
 from graphrt.kernels import decode_splits, paged_attention, split_workspace, write_kv
 from graphrt.kernels.ops import attention_op
 from graphrt.kernels.ops import sample as sample_op
+from graphrt.kernels.ops import sample_kept as sample_kept_op
+from graphrt.kernels.sampling import kept_probs
 from graphrt.sampling import SamplingParams
 from graphrt.step import Step
 from graphrt.tracing import Tracer
@@ -70,12 +72,14 @@ class StepContext:
         padded sequences point at row 0 or the step's last row."""
         return (self.meta.query_start_loc[1:] - 1).clamp_min(0).long()
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, *, probs: bool = False):
         """[S] int64: each sequence's next token, drawn from its row of ``logits`` ([S, V],
         its last token's) with the settings the step staged (``Runtime.step(..., sampling=)``)
         and its length (context + new tokens) as the draw's counter: a request draws the
         same token at the same length in any batch, eagerly or replayed. Needs
-        ``RuntimeConfig(sampling=True)``; padded sequences draw greedily."""
+        ``RuntimeConfig(sampling=True)``; padded sequences draw greedily. ``probs``: also
+        return the distributions drawn from ([S, V] float32: the kept tokens' softmax at the
+        temperature; one-hot for greedy rows), as a speculative draft keeps them."""
         if self.sampling is None:
             raise RuntimeError("StepContext.sample needs RuntimeConfig(sampling=True): the settings travel in the "
                                "step's copy")
@@ -83,7 +87,11 @@ class StepContext:
             raise ValueError(f"logits must be [{self.num_seqs}, vocab] (one row per sequence of the bucket), got "
                              f"{tuple(logits.shape)}")
         s = self.sampling
-        return sample_op(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seed"], self.meta.seq_lens)
+        if not probs:
+            return sample_op(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seed"], self.meta.seq_lens)
+        ids, lowest = sample_kept_op(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seed"],
+                                     self.meta.seq_lens)
+        return ids, kept_probs(logits, s["temperature"], lowest)
 
     def merge_embeds(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ([..., T, E] token embeddings) with the rows of tokens that brought an input

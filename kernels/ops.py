@@ -7,7 +7,8 @@ functionalization and Inductor's re-inplacing keep the writes). Their fake
 implementations do nothing: every output is an argument. Eager code should call
 ``graphrt.kernels.write_kv`` / ``paged_attention`` directly (no dispatcher overhead);
 ``graphrt.StepContext.attention`` switches to these ops while it is being compiled.
-``torch.ops.graphrt.sample`` draws a step's next tokens (``StepContext.sample``);
+``torch.ops.graphrt.sample`` draws a step's next tokens (``StepContext.sample``), ``sample_kept``
+also gives the smallest logit each row kept, ``uniforms`` a speculative step's uniforms;
 ``torch.ops.graphrt.place_tokens`` places a speculative step's tokens (``graphrt.speculative``).
 ``torch.ops.graphrt.small_linear`` is a plain functional op: a compiled step's matmuls of a
 few rows become it after tracing (``graphrt.capture.linear_pass``).
@@ -24,6 +25,7 @@ from .linear import small_linear as _small_linear
 from .metadata import AttentionMetadata
 from .paged_attention import paged_attention as _paged_attention
 from .sampling import sample as _sample
+from .sampling import uniforms as _uniforms
 from .speculative import place_tokens as _place_tokens
 
 
@@ -123,6 +125,32 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 @sample.register_fake
 def _(logits, temperature, top_k, top_p, min_p, seed, counter):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+@torch.library.custom_op("graphrt::sample_kept", mutates_args=())
+def sample_kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` with the smallest logit each row kept: ([S] int64 ids, [S] float32), the
+    second what ``graphrt.kernels.sampling.kept_probs`` turns into the distribution drawn from."""
+    lowest = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    return _sample(logits, temperature, top_k, top_p, min_p, seed, counter, lowest=lowest), lowest
+
+
+@sample_kept.register_fake
+def _(logits, temperature, top_k, top_p, min_p, seed, counter):
+    return (logits.new_empty(logits.shape[0], dtype=torch.int64),
+            logits.new_empty(logits.shape[0], dtype=torch.float32))
+
+
+@torch.library.custom_op("graphrt::uniforms", mutates_args=())
+def uniforms(seed: torch.Tensor, counter: torch.Tensor, n: int) -> torch.Tensor:
+    """``graphrt.kernels.sampling.uniforms``: [S, n] float32 in [0, 1)."""
+    return _uniforms(seed, counter, n)
+
+
+@uniforms.register_fake
+def _(seed, counter, n):
+    return seed.new_empty(seed.shape[0], n, dtype=torch.float32)
 
 
 @torch.library.custom_op("graphrt::place_tokens", mutates_args=("seq_lens", "positions", "slot_mapping", "input_ids"))

@@ -205,6 +205,60 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return out
 
 
+@triton.jit
+def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    i_s = tl.program_id(0)
+    seed = tl.load(seed_ptr + i_s)
+    counter = tl.load(counter_ptr + i_s).to(tl.int64)
+    c_lo = (counter & 0xFFFFFFFF).to(tl.uint32)
+    c_hi = ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    for start in range(0, N, BLOCK):
+        o_n = start + tl.arange(0, BLOCK)
+        zero = o_n.to(tl.uint32) * 0
+        r0, _, _, _ = tl.philox(seed, o_n.to(tl.uint32), c_lo + zero, c_hi + zero, zero)
+        tl.store(out_ptr + i_s.to(tl.int64) * N + o_n, tl.uint_to_uniform_float(r0), mask=o_n < N)
+
+
+def uniforms(seed: torch.Tensor, counter: torch.Tensor, n: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[S, n] float32 uniforms in [0, 1): row i's j-th is Philox keyed by (seed[i],
+    counter[i], index j), the stream ``sample`` draws its Gumbel noise from (so a caller
+    keeps its draws apart by its counters). seed [S] int64, counter [S] int64 or int32."""
+    check_tensor("seed", seed, dim=1, dtypes=(torch.int64,))
+    check_runnable(seed.device)
+    check_tensor("counter", counter, dim=1, dtypes=(torch.int64, torch.int32), device=seed.device)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < 2 ** 31:
+        raise ValueError(f"n must be an int in [1, 2**31), got {n!r}")
+    s = seed.shape[0]
+    if counter.shape[0] != s:
+        raise ValueError(f"counter must have one entry per seed ({s}), got {counter.shape[0]}")
+    if out is None:
+        out = torch.empty(s, n, dtype=torch.float32, device=seed.device)
+    else:
+        check_tensor("out", out, dim=2, dtypes=(torch.float32,), device=seed.device)
+        if tuple(out.shape) != (s, n) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{s}, {n}] tensor, got {list(out.shape)}")
+    if s:
+        _uniform_kernel[(s,)](seed, counter, out, n, BLOCK=min(1024, max(16, triton.next_power_of_2(n))))
+    return out
+
+
+def kept_probs(logits: torch.Tensor, temperature: torch.Tensor, lowest: torch.Tensor) -> torch.Tensor:
+    """[S, V] float32: the distribution ``sample`` draws row i from, given the smallest
+    logit it kept (``sample(..., lowest=)``): the softmax at temperature[i] over the logits
+    >= lowest[i], zero elsewhere (every filter keeps a top set, so the kept set is the
+    logits at or above the lowest kept); a greedy row (temperature <= 0) is one-hot at its
+    first maximum, as is a row with nothing finite (``sample`` gives it token 0). Plain tensor ops: capturable, no
+    host read."""
+    x = logits.float().nan_to_num(nan=float("-inf"), neginf=float("-inf"))
+    hot = torch.zeros_like(x).scatter_(1, x.argmax(dim=1, keepdim=True), 1.0)
+    t = torch.where(temperature > 0, temperature, 1.0)[:, None]
+    m = x.amax(dim=1, keepdim=True)
+    w = torch.where((x >= lowest[:, None]) & (x > float("-inf")), torch.exp((x - m) / t), 0.0)
+    w = torch.where(temperature[:, None] > 0, w, hot)
+    total = w.sum(dim=1, keepdim=True)
+    return torch.where(total > 0, w / total.clamp_min(1e-30), hot)
+
+
 def philox_uniform(seed: int, counter: int, index: np.ndarray) -> np.ndarray:
     """The kernel's uniforms in numpy (the reference draws with them): Philox 4x32, ten
     rounds, key = the seed's two halves, counter = (index, counter's low and high halves, 0),

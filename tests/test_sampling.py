@@ -13,7 +13,7 @@ import torch
 
 from _cases import fresh_seed, rngs
 from graphrt.kernels import reference
-from graphrt.kernels.sampling import philox_uniform, sample
+from graphrt.kernels.sampling import kept_probs, philox_uniform, sample, uniforms
 from graphrt.sampling import GREEDY, SamplingParams
 
 HAS_CUDA = torch.cuda.is_available()
@@ -181,6 +181,49 @@ def test_same_seed_and_counter_draw_the_same_token_in_any_batch(device):
     # other counters draw other tokens (not one token for every counter)
     many = sample(row[None].expand(64, 500), **settings([(*mine[:5], c) for c in range(64)], device))
     assert len(set(many.tolist())) > 5
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 1000], ids=lambda v: f"V{v}")
+def test_kept_probs_are_the_distribution_drawn_from(vocab, device):
+    """kept_probs from the kernel's lowest kept logit equals the reference's float64 kept
+    distribution, greedy rows and rows with nothing finite included."""
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    s = 10
+    logits = (torch.randn(s, vocab, generator=gen) * 3).to(device)
+    logits[2] = -math.inf                                   # nothing finite: one-hot at 0, as the draw
+    logits[3, : vocab // 2] = -math.inf
+    logits[4, -1] = math.nan
+    rows = [(float(rng.choice([0.0, 0.3, 1.0, 2.0])), int(rng.choice([0, 1, 5, vocab + 3])),
+             float(rng.choice([1.0, 0.9, 0.5])), float(rng.choice([0.0, 0.1])), int(rng.integers(0, 2 ** 62)),
+             int(rng.integers(0, 2 ** 40))) for _ in range(s)]
+    rows[1] = (0.0, 0, 1.0, 0.0, 7, 0)
+    args = settings(rows, device)
+    lowest = torch.empty(s, dtype=torch.float32, device=device)
+    ids = sample(logits, **args, lowest=lowest)
+    probs = kept_probs(logits, args["temperature"], lowest).cpu()
+    assert probs.shape == (s, vocab) and probs.dtype == torch.float32
+    for i, (t, k, p, mp, _, _) in enumerate(rows):
+        _, want = reference.sampling_keep(logits[i].cpu(), t, k, p, mp)
+        assert torch.allclose(probs[i].double(), want, atol=1e-6), f"row {i} {rows[i]} (seed {seed})"
+        assert float(probs[i, int(ids[i])]) > 0, f"row {i}: drew {int(ids[i])}, of probability 0"
+
+
+def test_uniforms_are_the_philox_stream(device):
+    seed = torch.tensor([0, 7, 2 ** 62 + 5], device=device)
+    counter = torch.tensor([0, 3, 2 ** 40 + 1], device=device)
+    u = uniforms(seed, counter, 1500).cpu()
+    assert u.shape == (3, 1500) and float(u.min()) >= 0 and float(u.max()) < 1
+    for i in range(3):
+        want = philox_uniform(int(seed[i]), int(counter[i]), np.arange(1500))
+        assert np.array_equal(u[i].numpy(), want), i
+    assert 0.45 < float(u.mean()) < 0.55
+    with pytest.raises(ValueError, match="n must be an int"):
+        uniforms(seed, counter, 0)
+    with pytest.raises(ValueError, match="counter must have one entry per seed"):
+        uniforms(seed, counter[:2], 4)
+    with pytest.raises(TypeError, match="seed must have dtype"):
+        uniforms(seed.int(), counter, 4)
 
 
 def test_sample_refuses_bad_input(device):
