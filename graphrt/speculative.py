@@ -1,4 +1,5 @@
-"""Greedy speculative decoding with every decision on the device (docs/speculative.md).
+"""Speculative decoding with every decision on the device (docs/speculative.md): greedy, or
+sampled with rejection sampling against the draft's distributions.
 
 A ``SpecState`` holds, per request row r, what only the device knows between steps:
 ``length[r]`` (the request's tokens whose KV the target's cache holds and that are final)
@@ -19,6 +20,16 @@ One iteration for requests whose target and draft caches hold their prompts:
   the tokens that became final ([next, d_1 .. d_a], 1 + a of them) and moves the row on:
   length += 1 + a, prev = the last of those, next = the target's token after them.
 Rejected drafts' KV rows lie past the new length: never attended, and overwritten.
+
+Sampled (``SpecState(..., vocab=V)``, ``RuntimeConfig(sampling=True)`` and each request's
+``SamplingParams`` in every step): the target's prompt step draws ``next``; each draft
+step draws its draft and keeps the distribution it drew from in ``draft_probs[r, j]``;
+the verify step accepts draft j when u_j q_j(d_j) < p_j(d_j) (p: the target's kept
+distribution there, the same settings) and draws the token after the accepted ones from
+max(0, p - q) renormalised (``kernels.speculative.accept_rejection``): the emitted tokens
+follow the target's own sampling distribution whatever the draft. The uniforms come from
+the request's seed with counter ``length + 2**48`` (apart from every draw's counter, a
+position), so a request's tokens depend on its seed and its tokens only.
 """
 
 from __future__ import annotations
@@ -28,22 +39,37 @@ from typing import Callable
 import torch
 
 from graphrt.kernels.ops import place_tokens as place_tokens_op
-from graphrt.kernels.speculative import accept_greedy
+from graphrt.kernels.ops import sample_kept as sample_kept_op
+from graphrt.kernels.ops import uniforms as uniforms_op
+from graphrt.kernels.sampling import kept_probs
+from graphrt.kernels.speculative import accept_greedy, accept_rejection
+
+VERIFY_STREAM = 2 ** 48     # added to a verify's counter: its uniforms never share a draw's key
 
 
 class SpecState:
     """Device-owned rows of ``max_requests`` requests for K = ``drafts`` drafts a step,
     shared by the draft's and the target's runtimes (allocated once: their graphs read and
-    write these addresses). Row ``max_requests`` is where padding sequences write."""
+    write these addresses). Row ``max_requests`` is where padding sequences write.
+    ``vocab``: sampled decoding (module doc), with the drafts' distributions kept in
+    ``draft_probs`` [R + 1, K, vocab] float32 (4 (R + 1) K vocab bytes); None: greedy."""
 
-    def __init__(self, max_requests: int, drafts: int, device: torch.device | str):
+    def __init__(self, max_requests: int, drafts: int, device: torch.device | str, *, vocab: int | None = None):
         for name, v in (("max_requests", max_requests), ("drafts", drafts)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"SpecState {name} must be a positive int, got {v!r}")
-        self.max_requests, self.drafts = max_requests, drafts
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
+            raise ValueError(f"SpecState vocab must be a positive int or None, got {vocab!r}")
+        self.max_requests, self.drafts, self.vocab = max_requests, drafts, vocab
         self.length = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)            # [R + 1]
         self.tokens = torch.zeros(max_requests + 1, drafts + 2, dtype=torch.int64, device=device)  # [R + 1, K + 2]
         self.accepted = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)          # [R + 1]
+        self.draft_probs = (torch.zeros(max_requests + 1, drafts, vocab, dtype=torch.float32, device=device)
+                            if vocab else None)                                                  # [R + 1, K, V]
+
+    @property
+    def sampled(self) -> bool:
+        return self.draft_probs is not None
 
     def rows(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows [S] int64, valid [S] bool): each sequence's row, padding sent to the last."""
@@ -71,12 +97,13 @@ def _place(ctx, state: SpecState) -> None:
 def prefill_step(state: SpecState, last_logits: Callable) -> Callable:
     """A target's prompt step (placed by the host as usual): ``last_logits(ctx)`` [S, V]
     (each sequence's last token); then each named row takes length = the sequence's
-    length, prev = its last token, next = the argmax. Returns the next ids [S]."""
+    length, prev = its last token, next = the argmax (sampled: the draw). Returns the next
+    ids [S]."""
 
     def step(ctx):
         logits = last_logits(ctx)
         rows, valid = state.rows(ctx)
-        ids = logits.argmax(dim=-1)                                            # [S]
+        ids = ctx.sample(logits) if state.sampled else logits.argmax(dim=-1)  # [S]
         state.length[rows] = torch.where(valid, ctx.meta.seq_lens, 0)
         state.tokens[rows, 0] = ctx.input_ids[ctx.last_token_index]
         state.tokens[rows, 1] = ids
@@ -85,17 +112,21 @@ def prefill_step(state: SpecState, last_logits: Callable) -> Callable:
 
 
 def draft_step(state: SpecState, last_logits: Callable) -> Callable:
-    """A draft step placed from the state: each sequence's argmax after its last token is the
-    draft at position length + offset + q, stored at ``tokens[r, 1 + offset + q]``.
-    Returns the drafts [S]."""
+    """A draft step placed from the state: each sequence's argmax (sampled: its draw, the
+    distribution kept in ``draft_probs``) after its last token is the draft at position
+    length + offset + q, stored at ``tokens[r, 1 + offset + q]``. Returns the drafts [S]."""
 
     def step(ctx):
         _place(ctx, state)
         logits = last_logits(ctx)
         rows, _ = state.rows(ctx)
         qsl = ctx.meta.query_start_loc
-        col = (1 + _speculative(ctx)["offset"] + (qsl[1:] - qsl[:-1])).clamp(0, state.drafts + 1).long()
-        ids = logits.argmax(dim=-1)
+        col = (1 + _speculative(ctx)["offset"] + (qsl[1:] - qsl[:-1])).clamp(2, state.drafts + 1).long()
+        if state.sampled:
+            ids, probs = ctx.sample(logits, probs=True)
+            state.draft_probs[rows, col - 2] = probs
+        else:
+            ids = logits.argmax(dim=-1)
         state.tokens[rows, col] = ids
         return ids
     return step
@@ -113,9 +144,11 @@ def verify_step(state: SpecState, all_logits: Callable) -> Callable:
         rows, valid = state.rows(ctx)
         qsl = ctx.meta.query_start_loc
         at = (qsl[:-1, None].long() + torch.arange(k + 1, device=logits.device)).clamp(max=logits.shape[0] - 1)
-        target = logits.argmax(dim=-1)[at]                                      # [S, K + 1]
         row_tokens = state.tokens[rows]                                         # [S, K + 2]
-        accepted, next_ids = accept_greedy(target, row_tokens[:, 2:])
+        if state.sampled:
+            accepted, next_ids = _accept_sampled(ctx, state, logits[at.reshape(-1)], rows, row_tokens[:, 2:])
+        else:
+            accepted, next_ids = accept_greedy(logits.argmax(dim=-1)[at], row_tokens[:, 2:])
         emitted = row_tokens[:, 1:]                                             # [next, d_1 .. d_K]
         state.length[rows] = state.length[rows] + 1 + accepted
         state.tokens[rows, 0] = row_tokens.gather(1, 1 + accepted.long()[:, None]).squeeze(1)
@@ -123,6 +156,28 @@ def verify_step(state: SpecState, all_logits: Callable) -> Callable:
         state.accepted[rows] = accepted
         return emitted, torch.where(valid, 1 + accepted, 0)
     return step
+
+
+def _accept_sampled(ctx, state: SpecState, logits: torch.Tensor, rows: torch.Tensor,
+                    drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of a verify step: ``logits`` [S (K + 1), V], the target's after
+    each of a sequence's K + 1 tokens; drafts [S, K]."""
+    s, k1 = drafts.shape[0], state.drafts + 1
+    cfg = ctx.sampling
+    if cfg is None:
+        raise RuntimeError("a sampled SpecState needs RuntimeConfig(sampling=True): the settings travel in the "
+                           "step's copy")
+
+    def each(t: torch.Tensor) -> torch.Tensor:        # a sequence's setting for each of its K + 1 rows
+        return t[:, None].expand(s, k1).reshape(-1)
+    length = state.length[rows].long()
+    # the target's token after position length + i is at length + 1 + i: the draws' counter there
+    counter = (length[:, None] + 1 + torch.arange(k1, device=logits.device)).reshape(-1)
+    _, lowest = sample_kept_op(logits, each(cfg["temperature"]), each(cfg["top_k"]), each(cfg["top_p"]),
+                               each(cfg["min_p"]), each(cfg["seed"]), counter)
+    target = kept_probs(logits, each(cfg["temperature"]), lowest).view(s, k1, -1)
+    u = uniforms_op(cfg["seed"], length + VERIFY_STREAM, k1)
+    return accept_rejection(target, state.draft_probs[rows], drafts, u)
 
 
 def speculative_runtimes(cfg, state: SpecState, target, draft, **runtime_kw) -> tuple:
@@ -153,7 +208,9 @@ class SpeculativeLoop:
     when it has landed, and not before ``lag`` more iterations were staged: by default
     the host stages each iteration before it knows the last one's counts); ``blocks`` must
     hold the bound (``bounds``). ``iterate`` returns the verify step's outputs copied on the
-    device (emitted [n, K + 1], counts [n]); reading them is the caller's choice."""
+    device (emitted [n, K + 1], counts [n]); reading them is the caller's choice.
+    A sampled state (``SpecState(vocab=)``) takes each request's ``SamplingParams`` at
+    ``prefill(..., sampling=)``; they travel in every step's copy (packed once: a tuple)."""
 
     RING = 4       # verify counts in flight to the host before it waits for the oldest
 
@@ -172,6 +229,7 @@ class SpeculativeLoop:
         self._events = [torch.cuda.Event() if cuda else None for _ in range(self.RING)]
         self._pending: list[int] = []           # ring slots of iterations not yet settled, oldest first
         self._next = 0
+        self._sampling: tuple | None = None
 
     @property
     def bounds(self) -> list[int]:
@@ -179,8 +237,9 @@ class SpeculativeLoop:
         landed)."""
         return list(self.upper)
 
-    def prefill(self, prompts: list, blocks: list[list[int]]):
-        """Both models' prompt steps (rows 0 .. n - 1); returns the target's first tokens [n]."""
+    def prefill(self, prompts: list, blocks: list[list[int]], *, sampling=None):
+        """Both models' prompt steps (rows 0 .. n - 1); returns the target's first tokens [n].
+        ``sampling``: one ``SamplingParams`` per request (a sampled state; default greedy)."""
         import numpy as np
 
         from graphrt.step import SeqStep, Step
@@ -188,10 +247,15 @@ class SpeculativeLoop:
         t_pre, _, d_pre, _ = self.runtimes
         if len(prompts) > self.state.max_requests:
             raise ValueError(f"{len(prompts)} requests for a SpecState of {self.state.max_requests} rows")
+        if sampling is not None and not self.state.sampled:
+            raise ValueError("sampling settings need a sampled SpecState (SpecState(..., vocab=V)): a greedy one "
+                             "keeps no draft distributions")
+        sampling = tuple(sampling) if sampling is not None else None
         step = Step([SeqStep(q_len=len(p), context_len=0, block_ids=b) for p, b in zip(prompts, blocks)])
         ids = np.concatenate([np.asarray(p) for p in prompts])
-        first = t_pre.step(step, ids, requests=list(range(len(prompts))))
+        first = t_pre.step(step, ids, requests=list(range(len(prompts))), sampling=sampling)
         d_pre.step(step, ids)
+        self._sampling = sampling
         self.blocks, self.upper = [list(b) for b in blocks], [len(p) for p in prompts]
         self._pending.clear()
         return first[: len(prompts)]
@@ -221,10 +285,11 @@ class SpeculativeLoop:
 
         def step(q_len: int, first: int) -> Step:     # positions bounded by every draft accepted so far
             return Step([SeqStep(q_len=q_len, context_len=u + first, block_ids=b) for u, b in zip(self.upper, self.blocks)])
-        d_dec.step(step(2, -1), requests=rows, offsets=[-1] * n)
+        sampling = self._sampling
+        d_dec.step(step(2, -1), requests=rows, offsets=[-1] * n, sampling=sampling)
         for j in range(2, k + 1):
-            d_dec.step(step(1, j - 1), requests=rows, offsets=[j - 1] * n)
-        emitted, counts = t_ver.step(step(k + 1, 0), requests=rows, offsets=[0] * n)
+            d_dec.step(step(1, j - 1), requests=rows, offsets=[j - 1] * n, sampling=sampling)
+        emitted, counts = t_ver.step(step(k + 1, 0), requests=rows, offsets=[0] * n, sampling=sampling)
         self.upper = [u + k + 1 for u in self.upper]
         slot = self._next
         self._next = (slot + 1) % self.RING

@@ -148,11 +148,13 @@ def test_accept_greedy_refuses_bad_shapes(device):
 
 NOISE = 0.1
 
-def speculative_setup(device, dtype, draft_seed: int, k: int, draft_noise: float = 0.0, **rt_kw):
+def speculative_setup(device, dtype, draft_seed: int, k: int, draft_noise: float = 0.0, *, sampled: bool = False,
+                      requests: int = 4, **rt_kw):
     """A tiny random-weight Llama as the target (seed 0) and one as the draft (``draft_seed``:
     0 is the target itself; ``draft_noise``: its weights moved by that share of their own
     size, a draft that agrees with the target some of the time), through the transformers
-    adapter, on their own runtimes."""
+    adapter, on their own runtimes. ``sampled``: a sampled state (the settings in each
+    step's copy) for ``requests`` rows."""
     pytest.importorskip("transformers")
     from graphrt import Runtime
     from graphrt.integrations.tiny import nudge, tiny_model
@@ -161,21 +163,22 @@ def speculative_setup(device, dtype, draft_seed: int, k: int, draft_noise: float
 
     target = TransformersModel(tiny_model("llama", 0).to(device=device, dtype=dtype))
     draft = TransformersModel(nudge(tiny_model("llama", draft_seed), draft_noise, 5).to(device=device, dtype=dtype))
-    cfg = target.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=64, max_model_len=256,
-                                speculative=True)
-    state = SpecState(4, k, device)
+    cfg = target.runtime_config(block_size=16, num_blocks=max(64, 2 * requests + 8), max_num_seqs=requests,
+                                max_num_tokens=max(64, 8 * requests), max_model_len=256, speculative=True,
+                                sampling=sampled)
+    state = SpecState(requests, k, device, vocab=target.hf.config.vocab_size if sampled else None)
     runtimes = speculative_runtimes(cfg, state, target, draft, device=device, **rt_kw)
     plain = Runtime(cfg, target, num_layers=target.num_layers, device=device)
     return cfg, state, runtimes, plain
 
 
-def run_speculative(runtimes, prompts, blocks, k: int, iterations: int, state=None):
+def run_speculative(runtimes, prompts, blocks, k: int, iterations: int, state=None, sampling=None):
     """Prefill both models, then ``iterations`` of draft (k steps) and verify
     (``graphrt.speculative.SpeculativeLoop``); each verify's outputs stay on the device."""
     from graphrt.speculative import SpeculativeLoop
 
     loop = SpeculativeLoop(state, *runtimes)
-    loop.prefill(prompts, blocks)
+    loop.prefill(prompts, blocks, sampling=sampling)
     outputs = [loop.iterate() for _ in range(iterations)]
     if state.length.device.type == "cpu":       # every count has landed: the bounds are the lengths
         loop.settle()
@@ -229,6 +232,78 @@ def test_speculative_loop_gives_the_targets_greedy_tokens(draft_seed, noise, k, 
         assert sum(accepted) < k * len(accepted), f"a different draft had every draft accepted: {accepted}"
     if noise:                               # some accepted, some not: the correction path ran
         assert 0 < sum(accepted) and min(accepted) < k, accepted
+
+
+def test_sampled_loop_at_temperature_zero_gives_the_targets_greedy_tokens(device):
+    """A sampled state whose requests sample greedily: rejection sampling over one-hot
+    distributions is the greedy rule (a draft is accepted iff it is the argmax, and the token
+    after is the argmax), so the tokens are the target's greedy decoding."""
+    from graphrt.sampling import GREEDY
+
+    k = 2
+    cfg, state, runtimes, plain = speculative_setup(device, torch.float32, 0, k, NOISE, sampled=True)
+    rng, _ = rngs(fresh_seed())
+    prompts = [rng.integers(0, 64, n) for n in (7, 12, 9)]
+    blocks = [list(range(16 * r, 16 * r + 16)) for r in range(3)]
+    outputs = run_speculative(runtimes, prompts, blocks, k, 4, state, sampling=[GREEDY] * 3)
+    got = [sum((e[r, : int(c[r])].tolist() for e, c in outputs), []) for r in range(3)]
+    accepted = [int(c[r]) - 1 for _, c in outputs for r in range(3)]
+    want = greedy_tokens(plain, prompts, [list(range(48 + 5 * r, 48 + 5 * r + 5)) for r in range(3)],
+                         max(len(g) for g in got))
+    for r in range(3):
+        assert got[r] == want[r][: len(got[r])], f"request {r}: speculative {got[r]}, greedy {want[r]}"
+    assert 0 < sum(accepted) and min(accepted) < k, accepted
+
+
+def test_sampled_loop_draws_from_the_targets_distribution():
+    """64 requests with one prompt and their own seeds (temperature 1, top-k 3), a draft
+    near the target: the pairs (t0, t1) the loop emits first (t0 drawn by the target's
+    prompt step, t1 the draft when accepted, else the verify's draw) follow the target's
+    own sampling: P(t0) P(t1 | t0) from transformers' forward of the target (fp32) and the
+    float64 kept sets (chi-square at significance 0.001; the seeds are fixed). Both of the
+    verify's paths ran (some first drafts accepted, some not). Checked with transformers
+    5.25."""
+    from graphrt.kernels import reference
+    from graphrt.sampling import SamplingParams
+
+    device, k, n, runs = torch.device("cpu"), 2, 64, 3
+    cfg, state, runtimes, _ = speculative_setup(device, torch.float32, 0, k, NOISE, sampled=True, requests=n)
+    prompt = np.array([5, 9, 33, 2, 17, 40])
+    blocks = [[2 * r, 2 * r + 1] for r in range(n)]
+    pairs, first_accepted = [], []
+    for run in range(runs):
+        settings = [SamplingParams(temperature=1.0, top_k=3, seed=1000 * run + r) for r in range(n)]
+        (emitted, counts), = run_speculative(runtimes, [prompt] * n, blocks, k, 1, state, sampling=settings)
+        for r in range(n):
+            c = int(counts[r])
+            t1 = int(emitted[r, 1]) if c >= 2 else int(state.tokens[r, 1])     # d_1, or the verify's draw
+            pairs.append((int(emitted[r, 0]), t1))
+            first_accepted.append(c >= 2)
+    assert 0 < sum(first_accepted) < len(first_accepted), f"accepted first drafts: {sum(first_accepted)}"
+    # the target's distributions, from transformers' own forward
+    from graphrt.integrations.tiny import tiny_model
+
+    hf = tiny_model("llama", 0).float().eval()
+
+    def dist(ids) -> torch.Tensor:
+        with torch.no_grad():
+            row = hf(torch.as_tensor(np.asarray(ids))[None]).logits[0, -1]
+        return reference.sampling_keep(row, 1.0, 3, 1.0, 0.0)[1]
+    p0 = dist(prompt)
+    expected, observed = [], []
+    for t0 in torch.nonzero(p0).flatten().tolist():
+        p1 = dist(list(prompt) + [t0])
+        for t1 in torch.nonzero(p1).flatten().tolist():
+            expected.append(len(pairs) * float(p0[t0] * p1[t1]))
+            observed.append(sum(1 for pair in pairs if pair == (t0, t1)))
+    assert sum(observed) == len(pairs), "a pair outside the target's kept sets"
+    expected, observed = torch.tensor(expected, dtype=torch.float64), torch.tensor(observed, dtype=torch.float64)
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(expected) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(stat / 2, dtype=torch.float64)))
+    assert p_value > 1e-3, (f"chi-square {stat:.1f} on {dof} degrees of freedom: p = {p_value:.2e}; "
+                            f"observed {observed.tolist()}, expected {[round(e, 1) for e in expected.tolist()]}")
 
 
 @pytest.mark.gpu
