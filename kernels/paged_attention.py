@@ -8,7 +8,7 @@ optional sliding window, which combines with the ranges by one of three rules:
     two_sided         (causal | same_range) & (|q - k| < window)   ... from both sides
     ranges_unclipped  (causal & (q - k < window)) | same_range     ranges reach past it
 
-Model names are aliases for the rule their reference code uses (README has the table).
+Model names are aliases for the rule their reference code uses (docs/masks.md has the table).
 
 Work split: a program owns one KV head and a tile of BLOCK_Q consecutive new tokens of one
 sequence, times the QPK query heads that share that KV head (so each K/V tile is loaded

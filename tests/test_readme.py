@@ -1,4 +1,5 @@
-"""README's example runs as written, in a fresh interpreter."""
+"""README's examples run as written, in a fresh interpreter; so do each docs page's, after
+README's (a page's examples continue README's loop: its ``cfg``, ``model``, ``device``)."""
 
 import re
 import subprocess
@@ -7,17 +8,53 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# the docs pages with examples meant to run (```python blocks); a sketch is a plain ``` block
+PAGES = sorted(p.name for p in (ROOT / "docs").glob("*.md") if "```python" in p.read_text())
 
 
-def test_readme_example_runs(tmp_path):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert blocks, "README.md has no python example"
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+def run_script(tmp_path, blocks: list[str]) -> None:
     script = tmp_path / "example.py"
     script.write_text("\n".join(blocks))
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                          cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_readme_example_runs(tmp_path):
+    blocks = python_blocks(README)
+    assert blocks, "README.md has no python example"
+    run_script(tmp_path, blocks)
+
+
+def test_docs_have_examples():
+    assert {"kernels.md", "compile.md", "sampling.md", "transformers.md"} <= set(PAGES), PAGES
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_docs_examples_run(page, tmp_path):
+    run_script(tmp_path, python_blocks(README) + python_blocks(ROOT / "docs" / page))
+
+
+def test_docs_pages_open_with_their_purpose():
+    """Each page: a title, then a paragraph saying what a reader does there."""
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        lines = page.read_text().splitlines()
+        assert lines[0].startswith("# ") and not lines[1].strip(), page.name
+        first = lines[2]
+        assert first and not first.startswith(("#", "|", "`", "-")), f"{page.name} opens with {first!r}"
+
+
+def test_readme_is_short_and_links_every_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 210, len(text.splitlines())
+    missing = [p.name for p in (ROOT / "docs").glob("*.md") if f"(docs/{p.name})" not in text]
+    assert not missing, f"README links no docs page {missing}"
 
 
 def test_demo_runs(tmp_path):

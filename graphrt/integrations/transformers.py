@@ -61,7 +61,7 @@ _DYNAMIC_ROPE = ("dynamic", "longrope")
 
 @dataclass(frozen=True)
 class MaskSettings:
-    """How one model family's reference code masks image tokens (README, "Mask rules")."""
+    """How one model family's reference code masks image tokens (docs/masks.md)."""
 
     window_rule: str = "clip"           # how a sliding window and an image's range combine
     global_ranges: bool = True          # whether layers without a window see image ranges
