@@ -50,38 +50,52 @@ def _load_row(p_row, o_v, V):
 
 
 @triton.jit
+def _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, SHIFT: tl.constexpr, WEIGHTED: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """One level of ``_radix_select``: the digit at SHIFT of the selected key, given the
+    digits above it (``prefix``). Returns (need left below it, prefix with the digit)."""
+    HIGH: tl.constexpr = (0xFFFFFFFF << (SHIFT + 4)) & 0xFFFFFFFF       # the digits above this one
+    o_b = tl.arange(0, 16)
+    if WEIGHTED:
+        b_h = tl.zeros([16], dtype=tl.float32)
+    else:
+        b_h = tl.zeros([16], dtype=tl.int32)
+    for start in range(0, V, BLOCK):
+        o_v = start + tl.arange(0, BLOCK)
+        # [BLOCK]
+        b_l = _load_row(p_row, o_v, V)
+        b_k = _keys(b_l)
+        m_c = ((b_k & HIGH) == prefix) & (b_k >= floor_key) & (o_v < V)
+        b_d = (b_k >> SHIFT) & 15
+        # [BLOCK, 16]: one-hot digit of each candidate
+        m_hit = (b_d[:, None] == o_b[None, :]) & m_c[:, None]
+        if WEIGHTED:
+            b_w = tl.exp((b_l - m) * inv_t)
+            b_h += tl.sum(tl.where(m_hit, b_w[:, None], 0.0), axis=0)
+        else:
+            b_h += tl.sum(m_hit.to(tl.int32), axis=0)
+    # [16]: what the candidates with digit >= d hold
+    b_ge = tl.sum(tl.where(o_b[None, :] >= o_b[:, None], b_h[None, :], 0), axis=1)
+    d = tl.maximum(tl.max(tl.where(b_ge >= need, o_b, -1), axis=0), 0)
+    need = need - tl.sum(tl.where(o_b > d, b_h, 0), axis=0)
+    return need, prefix | (d.to(tl.int64) << SHIFT)
+
+
+@triton.jit
 def _radix_select(p_row, V, m, inv_t, floor_key, need, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
     """The largest key t such that the candidates (keys >= floor_key) with keys >= t hold at
     least ``need``: a count of tokens, or (WEIGHTED) a softmax mass. Rounding can leave the
-    total below ``need``; then the digit is the lowest (everything stays)."""
-    o_b = tl.arange(0, 16)
+    total below ``need``; then the digit is the lowest (everything stays). Eight levels of
+    four bits, unrolled (a constexpr shift each: a loop may not reassign a constexpr)."""
     prefix = floor_key * 0
-    for level in tl.static_range(8):
-        SHIFT: tl.constexpr = 28 - 4 * level
-        HIGH: tl.constexpr = (0xFFFFFFFF << (SHIFT + 4)) & 0xFFFFFFFF       # the digits above this one
-        if WEIGHTED:
-            b_h = tl.zeros([16], dtype=tl.float32)
-        else:
-            b_h = tl.zeros([16], dtype=tl.int32)
-        for start in range(0, V, BLOCK):
-            o_v = start + tl.arange(0, BLOCK)
-            # [BLOCK]
-            b_l = _load_row(p_row, o_v, V)
-            b_k = _keys(b_l)
-            m_c = ((b_k & HIGH) == prefix) & (b_k >= floor_key) & (o_v < V)
-            b_d = (b_k >> SHIFT) & 15
-            # [BLOCK, 16]: one-hot digit of each candidate
-            m_hit = (b_d[:, None] == o_b[None, :]) & m_c[:, None]
-            if WEIGHTED:
-                b_w = tl.exp((b_l - m) * inv_t)
-                b_h += tl.sum(tl.where(m_hit, b_w[:, None], 0.0), axis=0)
-            else:
-                b_h += tl.sum(m_hit.to(tl.int32), axis=0)
-        # [16]: what the candidates with digit >= d hold
-        b_ge = tl.sum(tl.where(o_b[None, :] >= o_b[:, None], b_h[None, :], 0), axis=1)
-        d = tl.maximum(tl.max(tl.where(b_ge >= need, o_b, -1), axis=0), 0)
-        need = need - tl.sum(tl.where(o_b > d, b_h, 0), axis=0)
-        prefix = prefix | (d.to(tl.int64) << SHIFT)
+    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 28, WEIGHTED, BLOCK)
+    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 24, WEIGHTED, BLOCK)
+    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 20, WEIGHTED, BLOCK)
+    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 16, WEIGHTED, BLOCK)
+    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 12, WEIGHTED, BLOCK)
+    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 8, WEIGHTED, BLOCK)
+    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 4, WEIGHTED, BLOCK)
+    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 0, WEIGHTED, BLOCK)
     return prefix
 
 
