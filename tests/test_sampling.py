@@ -91,7 +91,7 @@ def test_sample_matches_reference(dtype, vocab, device):
     pytest.param((1.0, 1, 1.0, 0.0), id="top-k-1"),
     pytest.param((2.0, 0, 1e-6, 0.0), id="top-p-tiny"),
 ])
-def test_kept_set_matches_transformers(case):
+def test_kept_set_matches_transformers(case, device):
     """The kept set equals transformers' warpers in generate's order (temperature, top-k,
     top-p, min-p), checked with transformers 5.25 and 5.17."""
     lp = pytest.importorskip("transformers.generation.logits_process")
@@ -108,8 +108,8 @@ def test_kept_set_matches_transformers(case):
     if mp:
         scores = lp.MinPLogitsWarper(mp)(None, scores)
     theirs = scores > -math.inf
-    lowest = torch.empty(6)
-    sample(logits, **settings([(t, k, p, mp, 1, 2)] * 6, "cpu"), lowest=lowest)
+    lowest = torch.empty(6, device=device)
+    sample(logits.to(device), **settings([(t, k, p, mp, 1, 2)] * 6, device), lowest=lowest)
     ours = kept(logits, lowest)
     assert torch.equal(ours, theirs), f"seed {seed}: {(ours != theirs).sum(1).tolist()} tokens differ per row"
 
@@ -142,7 +142,7 @@ def test_draws_follow_the_kept_softmax(case, n, device):
     assert p_value > 1e-3, f"chi-square {stat:.1f} on {dof} degrees of freedom: p = {p_value:.2e}"
 
 
-def test_sampling_edges():
+def test_sampling_edges(device):
     ninf = -math.inf
     cases = [   # (logits, (temperature, top_k, top_p, min_p), the ids every draw may give)
         ([1.0, 3.0, 3.0, 2.0], (0.0, 0, 1.0, 0.0), {1}),                     # greedy: the first maximum
@@ -159,8 +159,8 @@ def test_sampling_edges():
     ]
     for logits, (t, k, p, mp), allowed in cases:
         n = 32
-        row = torch.tensor(logits)
-        ids = sample(row[None, :].expand(n, row.shape[0]), **settings([(t, k, p, mp, 5, c) for c in range(n)], "cpu"))
+        row = torch.tensor(logits, device=device)
+        ids = sample(row[None, :].expand(n, row.shape[0]), **settings([(t, k, p, mp, 5, c) for c in range(n)], device))
         drawn = set(ids.tolist())
         assert drawn <= allowed, f"{logits} {(t, k, p, mp)}: drew {sorted(drawn)}, allowed {sorted(allowed)}"
         if len(allowed) > 1:      # 32 draws from two or more tokens: more than one of them

@@ -255,7 +255,7 @@ def test_sampled_loop_at_temperature_zero_gives_the_targets_greedy_tokens(device
     assert 0 < sum(accepted) and min(accepted) < k, accepted
 
 
-def test_sampled_loop_draws_from_the_targets_distribution():
+def test_sampled_loop_draws_from_the_targets_distribution(device):
     """64 requests with one prompt and their own seeds (temperature 1, top-k 3), a draft
     near the target: the pairs (t0, t1) the loop emits first (t0 drawn by the target's
     prompt step, t1 the draft when accepted, else the verify's draw) follow the target's
@@ -266,7 +266,7 @@ def test_sampled_loop_draws_from_the_targets_distribution():
     from graphrt.kernels import reference
     from graphrt.sampling import SamplingParams
 
-    device, k, n, runs = torch.device("cpu"), 2, 64, 3
+    k, n, runs = 2, 64, 3
     cfg, state, runtimes, _ = speculative_setup(device, torch.float32, 0, k, NOISE, sampled=True, requests=n)
     prompt = np.array([5, 9, 33])
     blocks = [[2 * r, 2 * r + 1] for r in range(n)]
