@@ -4,7 +4,10 @@ whole sequences: what the demo and the adapter tests run.
 
 Weights are drawn wide (each matrix with standard deviation 1/sqrt(fan-in), norms and biases
 off their defaults) so that attention is far from uniform and logits far from zero: a wrong
-mask, scale or head shows in the logits.
+mask, scale or head shows in the logits. A mixture of experts' router is drawn eight times
+wider still: its logits then rarely come within bf16's rounding of a tie between the last
+expert chosen and the next, where a bf16 forward and an fp32 one (or two bf16 ones that
+round at different points) would route a token to different experts.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from graphrt.serve import Request
 
 VOCAB, IMAGE, BOI, EOI, VIDEO = 96, 95, 93, 94, 92
 TOKENS_PER_IMAGE = 16
+ROUTER = ".gate.weight"          # a mixture of experts' router (Mixtral, Qwen3-MoE), not a gate_proj
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=512, pad_token_id=0)
 
@@ -187,7 +191,8 @@ def widen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         if any(part in name for part in ("vision", "visual")):
             continue
         if p.dim() >= 2:                 # matrices (and stacked experts): unit-variance outputs
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)     # drawn on the CPU, copied over
+            wide = 8.0 if name.endswith(ROUTER) else 1.0
+            p.copy_(torch.randn(p.shape, generator=gen) * wide / p.shape[-1] ** 0.5)   # drawn on the CPU, copied over
         else:                            # norms' weights, biases: off their defaults
             p.add_((0.1 * torch.randn(p.shape, generator=gen)).to(p.device))
     return model
