@@ -208,7 +208,10 @@ class SpeculativeLoop:
     when it has landed, and not before ``lag`` more iterations were staged: by default
     the host stages each iteration before it knows the last one's counts); ``blocks`` must
     hold the bound (``bounds``). ``iterate`` returns the verify step's outputs copied on the
-    device (emitted [n, K + 1], counts [n]); reading them is the caller's choice.
+    device (emitted [n, K + 1], counts [n]); reading them is the caller's choice. The same
+    copy to the host that brings the counts brings the emitted tokens: ``tokens`` holds
+    each request's tokens whose iteration has been settled (what a server streams, no
+    wait added).
     A sampled state (``SpecState(vocab=)``) takes each request's ``SamplingParams`` at
     ``prefill(..., sampling=)``; they travel in every step's copy (packed once: a tuple)."""
 
@@ -226,10 +229,19 @@ class SpeculativeLoop:
         # bounds from them once they have landed (``settle``), never waiting for one unless
         # RING iterations are in flight
         self._host = [torch.zeros(state.max_requests, dtype=torch.int32, pin_memory=cuda) for _ in range(self.RING)]
+        self._host_tokens = [torch.zeros(state.max_requests, self.k + 1, dtype=torch.int64, pin_memory=cuda)
+                             for _ in range(self.RING)]
+        self._streamed: list[list[int]] = []
         self._events = [torch.cuda.Event() if cuda else None for _ in range(self.RING)]
         self._pending: list[int] = []           # ring slots of iterations not yet settled, oldest first
         self._next = 0
         self._sampling: tuple | None = None
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """Each request's generated tokens that have reached the host (the target's first
+        token on, in order), as of the last ``settle``."""
+        return [list(t) for t in self._streamed]
 
     @property
     def bounds(self) -> list[int]:
@@ -258,6 +270,7 @@ class SpeculativeLoop:
         self._sampling = sampling
         self.blocks, self.upper = [list(b) for b in blocks], [len(p) for p in prompts]
         self._pending.clear()
+        self._streamed = [[] for _ in prompts]
         return first[: len(prompts)]
 
     def settle(self, keep: int = 0) -> None:
@@ -271,7 +284,10 @@ class SpeculativeLoop:
                     return
                 event.synchronize()             # RING iterations ahead: back-pressure
             counts = self._host[slot][: len(self.upper)].tolist()      # landed: a host read, no sync
+            emitted = self._host_tokens[slot][: len(self.upper)].tolist()
             self.upper = [u - (self.k + 1 - c) for u, c in zip(self.upper, counts)]
+            for out, row, c in zip(self._streamed, emitted, counts):
+                out += row[:c]
             self._pending.pop(0)
 
     def iterate(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,6 +310,7 @@ class SpeculativeLoop:
         slot = self._next
         self._next = (slot + 1) % self.RING
         self._host[slot][:n].copy_(counts[:n], non_blocking=True)
+        self._host_tokens[slot][:n].copy_(emitted[:n], non_blocking=True)
         if self._events[slot] is not None:
             self._events[slot].record()
         self._pending.append(slot)

@@ -183,6 +183,8 @@ def run_speculative(runtimes, prompts, blocks, k: int, iterations: int, state=No
     if state.length.device.type == "cpu":       # every count has landed: the bounds are the lengths
         loop.settle()
         assert loop.bounds == state.length[: len(prompts)].tolist()
+        # and the tokens streamed through the host ring are the verify steps' outputs
+        assert loop.tokens == [sum((e[r, : int(c[r])].tolist() for e, c in outputs), []) for r in range(len(prompts))]
     return outputs
 
 
