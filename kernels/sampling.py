@@ -3,11 +3,13 @@ tensors: temperature (0 = greedy), top-k, top-p, min-p, and a seed with a counte
 decide the draw. Nothing is a Python number per step, so a launch captures in a CUDA
 graph once and replays for any settings.
 
-One program a row walks the row's logits a few times, never sorting them:
+A row is cut into up to MAX_CHUNKS chunks, one program each (so that one row at batch 1
+fills the GPU), and twenty launches walk the chunks, never sorting; each launch's programs
+reduce what the last one left per chunk (in a fixed order: the same result every run):
 1. the maximum m and the first index holding it (greedy's answer);
 2. top-k's threshold, the k-th largest logit, found exactly by a radix select over the
-   logits' 32-bit order-preserving keys: eight passes of four bits, each counting the
-   candidates per digit (ties at the threshold are all kept, as transformers'
+   logits' 32-bit order-preserving keys: eight launches of four bits, each counting the
+   candidates per digit in every chunk (ties at the threshold are all kept, as transformers'
    ``TopKLogitsWarper`` keeps them);
 3. the top-k set's softmax mass Z (at temperature T: w = exp((logit - m) / T));
 4. top-p's threshold, the same radix select weighted by w: the largest logit whose
@@ -19,7 +21,10 @@ One program a row walks the row's logits a few times, never sorting them:
    the token's index. That is an exact draw from the kept set's renormalised softmax, and
    the same (seed, counter) gives the same token in any batch, in a replay or eagerly.
 
-Passes a setting does not need (top-k off or >= the vocabulary, top-p = 1) are skipped.
+A row whose settings do not need a pass (greedy; top-k off or >= the vocabulary; top-p =
+1) returns from it at once; every launch is made (a captured graph serves any settings),
+except on CPU tensors, where the interpreter's programs are slow and the settings are
+read to leave out passes no row needs.
 """
 
 from __future__ import annotations
@@ -50,101 +55,176 @@ def _load_row(p_row, o_v, V):
 
 
 @triton.jit
-def _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, SHIFT: tl.constexpr, WEIGHTED: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """One level of ``_radix_select``: the digit at SHIFT of the selected key, given the
-    digits above it (``prefix``). Returns (need left below it, prefix with the digit)."""
-    HIGH: tl.constexpr = (0xFFFFFFFF << (SHIFT + 4)) & 0xFFFFFFFF       # the digits above this one
+def _row_max(pmax_ptr, pidx_ptr, row, C, CP: tl.constexpr):
+    """The row's maximum and its first index, from the chunks' (``_max_kernel``)."""
+    o_c = tl.arange(0, CP)
+    b_m = tl.load(pmax_ptr + row * C + o_c, mask=o_c < C, other=float("-inf"))
+    b_i = tl.load(pidx_ptr + row * C + o_c, mask=o_c < C, other=2 ** 31 - 1)
+    m = tl.max(b_m, axis=0)
+    return m, tl.min(tl.where((b_m == m) & (o_c < C), b_i, 2 ** 31 - 1), axis=0)
+
+
+@triton.jit
+def _digit(h_ptr, base, C, prefix, need, shift, CP: tl.constexpr):
+    """One radix level reduced over the row's chunks: ``h_ptr + base`` holds [C, 16] counts or
+    masses of the candidates per digit at ``shift``; the digit kept is the largest whose
+    candidates at or above it hold ``need``. Returns (prefix with it, need left below it)."""
+    o_c = tl.arange(0, CP)
     o_b = tl.arange(0, 16)
-    if WEIGHTED:
-        b_h = tl.zeros([16], dtype=tl.float32)
-    else:
-        b_h = tl.zeros([16], dtype=tl.int32)
-    for start in range(0, V, BLOCK):
-        o_v = start + tl.arange(0, BLOCK)
-        # [BLOCK]
-        b_l = _load_row(p_row, o_v, V)
-        b_k = _keys(b_l)
-        m_c = ((b_k & HIGH) == prefix) & (b_k >= floor_key) & (o_v < V)
-        b_d = (b_k >> SHIFT) & 15
-        # [BLOCK, 16]: one-hot digit of each candidate
-        m_hit = (b_d[:, None] == o_b[None, :]) & m_c[:, None]
-        if WEIGHTED:
-            b_w = tl.exp((b_l - m) * inv_t)
-            b_h += tl.sum(tl.where(m_hit, b_w[:, None], 0.0), axis=0)
-        else:
-            b_h += tl.sum(m_hit.to(tl.int32), axis=0)
+    b_h = tl.sum(tl.load(h_ptr + base + o_c[:, None] * 16 + o_b[None, :], mask=(o_c < C)[:, None], other=0), axis=0)
     # [16]: what the candidates with digit >= d hold
     b_ge = tl.sum(tl.where(o_b[None, :] >= o_b[:, None], b_h[None, :], 0), axis=1)
     d = tl.maximum(tl.max(tl.where(b_ge >= need, o_b, -1), axis=0), 0)
     need = need - tl.sum(tl.where(o_b > d, b_h, 0), axis=0)
-    return need, prefix | (d.to(tl.int64) << SHIFT)
+    return prefix | (d.to(tl.int64) << shift), need
 
 
 @triton.jit
-def _radix_select(p_row, V, m, inv_t, floor_key, need, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
-    """The largest key t such that the candidates (keys >= floor_key) with keys >= t hold at
-    least ``need``: a count of tokens, or (WEIGHTED) a softmax mass. Rounding can leave the
-    total below ``need``; then the digit is the lowest (everything stays). Eight levels of
-    four bits, unrolled (a constexpr shift each: a loop may not reassign a constexpr)."""
-    prefix = floor_key * 0
-    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 28, WEIGHTED, BLOCK)
-    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 24, WEIGHTED, BLOCK)
-    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 20, WEIGHTED, BLOCK)
-    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 16, WEIGHTED, BLOCK)
-    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 12, WEIGHTED, BLOCK)
-    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 8, WEIGHTED, BLOCK)
-    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 4, WEIGHTED, BLOCK)
-    need, prefix = _radix_digit(p_row, V, m, inv_t, floor_key, need, prefix, 0, WEIGHTED, BLOCK)
-    return prefix
+def _threshold(h_ptr, key_ptr, need_ptr, row, S, C, CP: tl.constexpr):
+    """A select's key after its eighth level: the state before it and the level's histograms."""
+    key, _ = _digit(h_ptr, ((7 * S + row) * C) * 16, C, tl.load(key_ptr + 7 * S + row),
+                    tl.load(need_ptr + 7 * S + row), 0, CP)
+    return key
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, counter_ptr,
-                   out_ptr, lowest_ptr, HAS_LOWEST: tl.constexpr, BLOCK: tl.constexpr):
-    i_s = tl.program_id(0)
-    p_row = logits_ptr + i_s.to(tl.int64) * stride_row
-    # 1. the maximum and its first index
+def _max_kernel(logits_ptr, stride_row, V, CHUNK, C, pmax_ptr, pidx_ptr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    p_row = logits_ptr + row.to(tl.int64) * stride_row
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    i_m = tl.program_id(0) * 0
-    for start in range(0, V, BLOCK):
+    i_m = c * CHUNK
+    for start in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), BLOCK):
         o_v = start + tl.arange(0, BLOCK)
-        b_l = _load_row(p_row, o_v, V)
+        b_l = _load_row(p_row, o_v, tl.minimum(c * CHUNK + CHUNK, V))
         c_m = tl.max(b_l, axis=0)
-        c_i = tl.min(tl.where(b_l == c_m, o_v, V), axis=0)      # the chunk's first maximum
+        c_i = tl.min(tl.where(b_l == c_m, o_v, V), axis=0)      # the piece's first maximum
         take = c_m > m
         i_m = tl.where(take, c_i, i_m)
         m = tl.where(take, c_m, m)
-    t = tl.load(temp_ptr + i_s)
+    tl.store(pmax_ptr + row * C + c, m)
+    tl.store(pidx_ptr + row * C + c, i_m)
+
+
+@triton.jit
+def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, S, temp_ptr, top_k_ptr, top_p_ptr, pmax_ptr, pidx_ptr,
+                  h_ptr, key_ptr, need_ptr, kthr_ptr, zpart_ptr, level, WEIGHTED: tl.constexpr, CP: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Level ``level`` of a radix select (WEIGHTED: top-p's, over the top-k set; else top-k's)
+    for one chunk of one row: the state before this level from the last one (chunk 0 writes
+    it, for the next level and the consumers), then this chunk's histogram of the digit."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    t = tl.load(temp_ptr + row)
+    m, _ = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+    k = tl.load(top_k_ptr + row)
+    p = tl.load(top_p_ptr + row)
+    if WEIGHTED:
+        on = (t > 0) & (m > float("-inf")) & (p < 1.0)
+    else:
+        on = (t > 0) & (m > float("-inf")) & (k > 0) & (k < V)
+    if on:
+        inv_t = 1.0 / t
+        floor_key = _keys(m) * 0
+        if WEIGHTED:
+            if (k > 0) & (k < V):
+                floor_key = tl.load(kthr_ptr + row)
+        if level == 0:
+            key = floor_key * 0
+            if WEIGHTED:
+                o_c = tl.arange(0, CP)
+                need = p * tl.sum(tl.load(zpart_ptr + row * C + o_c, mask=o_c < C, other=0.0), axis=0)
+            else:
+                need = k
+        else:
+            key, need = _digit(h_ptr, (((level - 1) * S + row) * C) * 16, C, tl.load(key_ptr + (level - 1) * S + row),
+                               tl.load(need_ptr + (level - 1) * S + row), 32 - 4 * level, CP)
+        if c == 0:
+            tl.store(key_ptr + level * S + row, key)
+            tl.store(need_ptr + level * S + row, need)
+        shift = 28 - 4 * level
+        o_b = tl.arange(0, 16)
+        if WEIGHTED:
+            b_h = tl.zeros([16], dtype=tl.float32)
+        else:
+            b_h = tl.zeros([16], dtype=tl.int32)
+        p_row = logits_ptr + row.to(tl.int64) * stride_row
+        end = tl.minimum(c * CHUNK + CHUNK, V)
+        for start in range(c * CHUNK, end, BLOCK):
+            o_v = start + tl.arange(0, BLOCK)
+            # [BLOCK]
+            b_l = _load_row(p_row, o_v, end)
+            b_k = _keys(b_l)
+            m_c = ((b_k >> (shift + 4)) == (key >> (shift + 4))) & (b_k >= floor_key) & (o_v < end)
+            b_d = (b_k >> shift) & 15
+            # [BLOCK, 16]: one-hot digit of each candidate
+            m_hit = (b_d[:, None] == o_b[None, :]) & m_c[:, None]
+            if WEIGHTED:
+                b_w = tl.exp((b_l - m) * inv_t)
+                b_h += tl.sum(tl.where(m_hit, b_w[:, None], 0.0), axis=0)
+            else:
+                b_h += tl.sum(m_hit.to(tl.int32), axis=0)
+        tl.store(h_ptr + ((level * S + row) * C + c) * 16 + o_b, b_h)
+
+
+@triton.jit
+def _mass_kernel(logits_ptr, stride_row, V, CHUNK, C, S, temp_ptr, top_k_ptr, top_p_ptr, pmax_ptr, pidx_ptr,
+                 hk_ptr, kkey_ptr, kneed_ptr, kthr_ptr, zpart_ptr, CP: tl.constexpr, BLOCK: tl.constexpr):
+    """Top-k's threshold (chunk 0 keeps it for the later passes) and, where top-p is on,
+    this chunk's share of the top-k set's softmax mass."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    t = tl.load(temp_ptr + row)
+    m, _ = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+    k = tl.load(top_k_ptr + row)
+    if (t > 0) & (m > float("-inf")):
+        floor_key = _keys(m) * 0
+        if (k > 0) & (k < V):
+            floor_key = _threshold(hk_ptr, kkey_ptr, kneed_ptr, row, S, C, CP)
+        if c == 0:
+            tl.store(kthr_ptr + row, floor_key)
+        if tl.load(top_p_ptr + row) < 1.0:
+            inv_t = 1.0 / t
+            p_row = logits_ptr + row.to(tl.int64) * stride_row
+            end = tl.minimum(c * CHUNK + CHUNK, V)
+            z = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)
+            for start in range(c * CHUNK, end, BLOCK):
+                o_v = start + tl.arange(0, BLOCK)
+                b_l = _load_row(p_row, o_v, end)
+                z += tl.sum(tl.where(_keys(b_l) >= floor_key, tl.exp((b_l - m) * inv_t), 0.0), axis=0)
+            tl.store(zpart_ptr + row * C + c, z)
+
+
+@triton.jit
+def _draw_kernel(logits_ptr, stride_row, V, CHUNK, C, S, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
+                 counter_ptr, pmax_ptr, pidx_ptr, kthr_ptr, hp_ptr, pkey_ptr, pneed_ptr, bestv_ptr, besti_ptr,
+                 lowc_ptr, CP: tl.constexpr, BLOCK: tl.constexpr):
+    """Min-p and the draw over one chunk: its best Gumbel score among the kept tokens, where,
+    and its smallest kept logit."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    t = tl.load(temp_ptr + row)
+    m, _ = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
     if (t > 0) & (m > float("-inf")):
         inv_t = 1.0 / t
-        k = tl.load(top_k_ptr + i_s)
-        p = tl.load(top_p_ptr + i_s)
-        min_p = tl.load(min_p_ptr + i_s)
-        floor_key = _keys(m) * 0
-        # 2. top-k: the k-th largest logit's key
-        if (k > 0) & (k < V):
-            floor_key = _radix_select(p_row, V, m, inv_t, floor_key, k, False, BLOCK)
-        # 3.-4. top-p over the top-k set
-        if p < 1.0:
-            z = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)
-            for start in range(0, V, BLOCK):
-                o_v = start + tl.arange(0, BLOCK)
-                b_l = _load_row(p_row, o_v, V)
-                z += tl.sum(tl.where(_keys(b_l) >= floor_key, tl.exp((b_l - m) * inv_t), 0.0), axis=0)
-            floor_key = tl.maximum(floor_key, _radix_select(p_row, V, m, inv_t, floor_key, p * z, True, BLOCK))
-        # 5. min-p and the draw
-        seed = tl.load(seed_ptr + i_s)
-        counter = tl.load(counter_ptr + i_s).to(tl.int64)
+        floor_key = tl.load(kthr_ptr + row)
+        if tl.load(top_p_ptr + row) < 1.0:
+            floor_key = tl.maximum(floor_key, _threshold(hp_ptr, pkey_ptr, pneed_ptr, row, S, C, CP))
+        min_p = tl.load(min_p_ptr + row)
+        seed = tl.load(seed_ptr + row)
+        counter = tl.load(counter_ptr + row).to(tl.int64)
         c_lo = (counter & 0xFFFFFFFF).to(tl.uint32)
         c_hi = ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
         best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+        i_b = c * CHUNK
         lowest = m
-        for start in range(0, V, BLOCK):
+        p_row = logits_ptr + row.to(tl.int64) * stride_row
+        end = tl.minimum(c * CHUNK + CHUNK, V)
+        for start in range(c * CHUNK, end, BLOCK):
             o_v = start + tl.arange(0, BLOCK)
-            b_l = _load_row(p_row, o_v, V)
+            b_l = _load_row(p_row, o_v, end)
             b_x = (b_l - m) * inv_t
-            m_keep = (_keys(b_l) >= floor_key) & (tl.exp(b_x) >= min_p) & (o_v < V) & (b_l > float("-inf"))
+            m_keep = (_keys(b_l) >= floor_key) & (tl.exp(b_x) >= min_p) & (o_v < end) & (b_l > float("-inf"))
             r0, _, _, _ = tl.philox(seed, o_v.to(tl.uint32), c_lo + o_v.to(tl.uint32) * 0,
                                     c_hi + o_v.to(tl.uint32) * 0, o_v.to(tl.uint32) * 0)
             b_u = tl.uint_to_uniform_float(r0)
@@ -153,21 +233,50 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, top_k_ptr, top_p_ptr, mi
             c_best = tl.max(b_g, axis=0)
             c_i = tl.min(tl.where(b_g == c_best, o_v, V), axis=0)
             take = c_best > best
-            i_m = tl.where(take, c_i, i_m)
+            i_b = tl.where(take, c_i, i_b)
             best = tl.where(take, c_best, best)
             lowest = tl.minimum(lowest, tl.min(tl.where(m_keep, b_l, float("inf")), axis=0))
-        tl.store(out_ptr + i_s, i_m.to(tl.int64))
-        if HAS_LOWEST:
-            tl.store(lowest_ptr + i_s, lowest)
-    else:
-        tl.store(out_ptr + i_s, i_m.to(tl.int64))
-        if HAS_LOWEST:
-            tl.store(lowest_ptr + i_s, m)
+        tl.store(bestv_ptr + row * C + c, best)
+        tl.store(besti_ptr + row * C + c, i_b)
+        tl.store(lowc_ptr + row * C + c, lowest)
+
+
+@triton.jit
+def _pick_kernel(temp_ptr, pmax_ptr, pidx_ptr, bestv_ptr, besti_ptr, lowc_ptr, out_ptr, lowest_ptr, C,
+                 HAS_LOWEST: tl.constexpr, CP: tl.constexpr):
+    """Each row's token: the first maximum (greedy, or nothing finite), else the best Gumbel
+    score over the chunks (the first index among equal ones)."""
+    row = tl.program_id(0)
+    t = tl.load(temp_ptr + row)
+    m, i_m = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+    low = m
+    if (t > 0) & (m > float("-inf")):
+        o_c = tl.arange(0, CP)
+        b_v = tl.load(bestv_ptr + row * C + o_c, mask=o_c < C, other=float("-inf"))
+        b_i = tl.load(besti_ptr + row * C + o_c, mask=o_c < C, other=2 ** 31 - 1)
+        best = tl.max(b_v, axis=0)
+        i_m = tl.min(tl.where((b_v == best) & (o_c < C), b_i, 2 ** 31 - 1), axis=0)
+        low = tl.min(tl.load(lowc_ptr + row * C + o_c, mask=o_c < C, other=float("inf")), axis=0)
+    tl.store(out_ptr + row, i_m.to(tl.int64))
+    if HAS_LOWEST:
+        tl.store(lowest_ptr + row, low)
 
 
 def default_block(vocab: int) -> int:
-    """Logits a program reads at a time: the whole row up to 1024, else chunks of 1024."""
+    """Logits a program reads at a time: the whole row up to 1024, else pieces of 1024."""
     return min(1024, max(16, triton.next_power_of_2(vocab)))
+
+
+MAX_CHUNKS = 128     # programs a row at most (enough to fill a GPU at batch 1)
+
+
+def chunking(vocab: int) -> tuple[int, int, int]:
+    """(block, chunk, chunks): a row is cut into ``chunks`` chunks of ``chunk`` logits (a
+    multiple of ``block``), one program each, at most MAX_CHUNKS."""
+    block = default_block(vocab)
+    chunk = max(block, -(-vocab // MAX_CHUNKS))
+    chunk = -(-chunk // block) * block
+    return block, chunk, -(-vocab // chunk)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -213,9 +322,39 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
             raise ValueError(f"lowest must have {s} entries, got {lowest.shape[0]}")
     if s == 0:
         return out
-    _sample_kernel[(s,)](logits, logits.stride(0), v, temperature, top_k, top_p, min_p, seed, counter, out,
-                         lowest if lowest is not None else out, HAS_LOWEST=lowest is not None,
-                         BLOCK=default_block(v), num_warps=4)
+    block, chunk, c = chunking(v)
+    cp = max(2, triton.next_power_of_2(c))
+    dev = logits.device
+    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    # per row and chunk: the maximum and where; the top-k set's mass; the best score, where, the lowest kept
+    pmax, pidx = torch.empty(s, c, dtype=f32, device=dev), torch.empty(s, c, dtype=i32, device=dev)
+    zpart, bestv = torch.empty(s, c, dtype=f32, device=dev), torch.empty(s, c, dtype=f32, device=dev)
+    besti, lowc = torch.empty(s, c, dtype=i32, device=dev), torch.empty(s, c, dtype=f32, device=dev)
+    # the two selects: per level, row and chunk a histogram of 16 digits; per level and row the state before it
+    hk, hp = torch.empty(8, s, c, 16, dtype=i32, device=dev), torch.empty(8, s, c, 16, dtype=f32, device=dev)
+    kkey, pkey = torch.empty(8, s, dtype=i64, device=dev), torch.empty(8, s, dtype=i64, device=dev)
+    kneed, pneed = torch.empty(8, s, dtype=i32, device=dev), torch.empty(8, s, dtype=f32, device=dev)
+    kthr = torch.empty(s, dtype=i64, device=dev)
+    grid = (s, c)
+    rows = (logits, logits.stride(0), v, chunk, c)
+    top_k_on = top_p_on = True      # on a GPU every pass is launched (a captured graph serves any settings) and
+    if not logits.is_cuda:          # rows skip what they do not need; on the CPU (the interpreter, where each
+        live = temperature > 0      # program costs milliseconds) the settings are read: passes no row needs are not run
+        top_k_on = bool((live & (top_k > 0) & (top_k < v)).any())
+        top_p_on = bool((live & (top_p < 1)).any())
+    _max_kernel[grid](*rows, pmax, pidx, BLOCK=block, num_warps=4)
+    for level in range(8 if top_k_on else 0):
+        _radix_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, hk, kkey, kneed, kthr, zpart, level,
+                            WEIGHTED=False, CP=cp, BLOCK=block, num_warps=4)
+    _mass_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, hk, kkey, kneed, kthr, zpart, CP=cp,
+                       BLOCK=block, num_warps=4)
+    for level in range(8 if top_p_on else 0):
+        _radix_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, hp, pkey, pneed, kthr, zpart, level,
+                            WEIGHTED=True, CP=cp, BLOCK=block, num_warps=4)
+    _draw_kernel[grid](*rows, s, temperature, top_k, top_p, min_p, seed, counter, pmax, pidx, kthr, hp, pkey, pneed,
+                       bestv, besti, lowc, CP=cp, BLOCK=block, num_warps=4)
+    _pick_kernel[(s,)](temperature, pmax, pidx, bestv, besti, lowc, out, lowest if lowest is not None else pmax, c,
+                       HAS_LOWEST=lowest is not None, CP=cp, num_warps=4)
     return out
 
 
