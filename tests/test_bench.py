@@ -64,6 +64,19 @@ def test_bench_quick(name, tmp_path):
 
 
 
+def test_bench_speculative_sampled_quick(tmp_path):
+    """The sampled form: both loops sample; the exact draft accepts every draft (its
+    distributions are the target's: u q < p always holds)."""
+    pytest.importorskip("transformers")
+    run = subprocess.run([sys.executable, "-m", "graphrt.bench.speculative", "--quick", "--sampled", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    rows = json.loads((tmp_path / "speculative_quick_sampled.json").read_text())["rows"]
+    by = {r["draft"]: r for r in rows}
+    assert all(r["sampled"] and r["tokens_equal"] is None and r["spec_tok_s"] > 0 for r in rows), rows
+    assert by["same"]["acceptance"] >= (1.0 if not torch.cuda.is_available() else 0.9), rows
+
+
 def test_ab_script_interleaves_two_trees(tmp_path):
     """benchmarks/ab.py runs a benchmark on two trees in turn and writes per-cell ratios (the
     step bench: seconds on a GPU, where the capture bench's four cold-cache captures per tree

@@ -268,7 +268,7 @@ def test_sampled_loop_draws_from_the_targets_distribution(device):
     from graphrt.kernels import reference
     from graphrt.sampling import SamplingParams
 
-    k, n, runs = 2, 64, 3
+    k, n, runs = 1, 64, 3
     cfg, state, runtimes, _ = speculative_setup(device, torch.float32, 0, k, NOISE, sampled=True, requests=n)
     prompt = np.array([5, 9, 33])
     blocks = [[2 * r, 2 * r + 1] for r in range(n)]

@@ -21,6 +21,11 @@ timed over the same number of iterations after a warm-up: ``plain_tok_s``,
 loop's wall time), ``speedup``, ``acceptance`` (accepted drafts / K, mean over
 iterations and requests) and ``tokens_equal`` (the share of each request's emitted
 tokens, from its first, that equal plain greedy decoding's). Prompts of 128 tokens.
+
+``--sampled``: every request samples (temperature 1, top-p 0.95, its own seed) in both
+loops, the speculative one by rejection sampling (``SpecState(vocab=)``); tokens_equal is
+then not reported (the two loops draw from the same distributions with different
+randomness).
 """
 
 from __future__ import annotations
@@ -82,8 +87,8 @@ def _sync(device) -> None:
 
 
 def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: list[int] | None = None,
-        iterations: int | None = None, quiet: bool = False) -> list[dict]:
-    from graphrt import Runtime, SeqStep, Step
+        iterations: int | None = None, sampled: bool = False, quiet: bool = False) -> list[dict]:
+    from graphrt import Runtime, SamplingParams, SeqStep, Step
     from graphrt.integrations.transformers import TransformersModel
     from graphrt.speculative import SpeculativeLoop, SpecState, speculative_runtimes
 
@@ -110,9 +115,9 @@ def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: l
         if key not in built:      # the plain runtime and the prompts of this batch and K
             cfg = target.runtime_config(block_size=block, num_blocks=batch * per_req + 1, max_num_seqs=batch,
                                         max_num_tokens=max(batch * prompt, batch * (k + 1)),
-                                        max_model_len=per_req * block, speculative=True)
-            plain = Runtime(cfg, lambda ctx: target(ctx).argmax(-1), num_layers=target.num_layers, device=device,
-                            strict=False)
+                                        max_model_len=per_req * block, speculative=True, sampling=sampled)
+            pick = (lambda ctx: ctx.sample(target(ctx))) if sampled else (lambda ctx: target(ctx).argmax(-1))
+            plain = Runtime(cfg, pick, num_layers=target.num_layers, device=device, strict=False)
             if cuda:
                 plain.capture(decode_buckets=[batch], mixed_buckets=[], quiet=True)
             rng = np.random.default_rng(batch * 100 + k)
@@ -121,10 +126,11 @@ def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: l
             built = {key: (cfg, plain, prompts, blocks)}
         cfg, plain, prompts, blocks = built[key]
         total = warm + iterations
+        settings = tuple(SamplingParams(temperature=1.0, top_p=0.95, seed=r) for r in range(batch)) if sampled else None
 
         # plain greedy decoding: (k + 1) * total steps, the ids fed device to device
         ids = plain.step(Step([SeqStep(q_len=prompt, context_len=0, block_ids=b) for b in blocks]),
-                         np.concatenate(prompts))[:batch]
+                         np.concatenate(prompts), sampling=settings)[:batch]
         plain_tokens = [ids]
         table = np.asarray(blocks)
         ones = np.ones(batch, np.int64)
@@ -132,7 +138,7 @@ def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: l
 
         def decode(i: int, ids: torch.Tensor) -> torch.Tensor:
             step = Step.from_arrays(q_lens=ones, context_lens=np.full(batch, prompt + i, np.int64), block_table=table)
-            return plain.step(step, ids)[:batch].clone()
+            return plain.step(step, ids, sampling=settings)[:batch].clone()
         for i in range(steps):
             if i == warm * (k + 1):
                 _sync(device)
@@ -146,14 +152,14 @@ def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: l
 
         # speculative: a state and four runtimes for this draft (the target's own shared)
         draft = TransformersModel(hf_drafts[name])
-        state = SpecState(batch, k, device)
+        state = SpecState(batch, k, device, vocab=spec["vocab_size"] if sampled else None)
         runtimes = speculative_runtimes(cfg, state, target, draft, device=device)
         if cuda:
             t_pre, t_ver, d_pre, d_dec = runtimes
             t_ver.capture(decode_buckets=[], mixed_buckets=[batch * (k + 1)], quiet=True)
             d_dec.capture(decode_buckets=[batch], mixed_buckets=[2 * batch], quiet=True)
         loop = SpeculativeLoop(state, *runtimes)
-        loop.prefill(prompts, blocks)
+        loop.prefill(prompts, blocks, sampling=settings)
         outputs = []
         for i in range(total):
             if i == warm:
@@ -178,14 +184,16 @@ def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: l
                    target_layers=spec["num_hidden_layers"], prompt=prompt, iterations=iterations,
                    acceptance=acceptance, plain_tok_s=plain_tok_s, spec_tok_s=spec_tok_s,
                    speedup=spec_tok_s / plain_tok_s, plain_ms_per_step=plain_s / (iterations * (k + 1)) * 1e3,
-                   spec_ms_per_iteration=spec_s / iterations * 1e3, tokens_equal=float(np.mean(equal)))
+                   spec_ms_per_iteration=spec_s / iterations * 1e3, sampled=sampled,
+                   tokens_equal=None if sampled else float(np.mean(equal)))
         rows.append(row)
         if not quiet:
             print(f"B={batch} K={k} draft={name}: acceptance {acceptance:.2f}, plain {plain_tok_s:.0f} tok/s, "
-                  f"speculative {spec_tok_s:.0f} tok/s ({row['speedup']:.2f}x), tokens equal {row['tokens_equal']:.2f}",
+                  f"speculative {spec_tok_s:.0f} tok/s ({row['speedup']:.2f}x)"
+                  + ("" if sampled else f", tokens equal {row['tokens_equal']:.2f}"),
                   flush=True)
         del loop, runtimes, state, draft
-    path = write(out, "speculative_quick" if small else "speculative", rows)
+    path = write(out, ("speculative_quick" if small else "speculative") + ("_sampled" if sampled else ""), rows)
     if not quiet:
         print(f"wrote {path}")
     return rows
@@ -199,9 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=None,
                         help="K, drafts a step (default 3,5)")
     parser.add_argument("--iterations", type=int, default=None)
+    parser.add_argument("--sampled", action="store_true", help="every request samples (module doc)")
     args = parser.parse_args(argv)
     run(quick=args.quick, out=args.out or default_out(), batches=args.batches, drafts_k=args.drafts,
-        iterations=args.iterations)
+        iterations=args.iterations, sampled=args.sampled)
 
 
 if __name__ == "__main__":
