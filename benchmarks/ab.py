@@ -22,7 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-KEYS = ("bench", "impl", "layers", "batch", "context", "nvtx", "tokens", "cache", "bucket", "prefills", "decodes")
+KEYS = ("bench", "impl", "layers", "batch", "context", "nvtx", "tokens", "cache", "bucket", "prefills", "decodes",
+        "vocab", "setting", "draft", "drafts")
 
 
 def importable(tree: Path, scratch: Path, harness: Path | None = None) -> Path:
