@@ -116,7 +116,7 @@ def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, S, temp_ptr, top_k_ptr, t
     row = tl.program_id(0)
     c = tl.program_id(1)
     t = tl.load(temp_ptr + row)
-    m, _ = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+    m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
     k = tl.load(top_k_ptr + row)
     p = tl.load(top_p_ptr + row)
     if WEIGHTED:
@@ -175,7 +175,7 @@ def _mass_kernel(logits_ptr, stride_row, V, CHUNK, C, S, temp_ptr, top_k_ptr, to
     row = tl.program_id(0)
     c = tl.program_id(1)
     t = tl.load(temp_ptr + row)
-    m, _ = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+    m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
     k = tl.load(top_k_ptr + row)
     if (t > 0) & (m > float("-inf")):
         floor_key = _keys(m) * 0
@@ -204,7 +204,7 @@ def _draw_kernel(logits_ptr, stride_row, V, CHUNK, C, S, temp_ptr, top_k_ptr, to
     row = tl.program_id(0)
     c = tl.program_id(1)
     t = tl.load(temp_ptr + row)
-    m, _ = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+    m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
     if (t > 0) & (m > float("-inf")):
         inv_t = 1.0 / t
         floor_key = tl.load(kthr_ptr + row)
@@ -225,8 +225,8 @@ def _draw_kernel(logits_ptr, stride_row, V, CHUNK, C, S, temp_ptr, top_k_ptr, to
             b_l = _load_row(p_row, o_v, end)
             b_x = (b_l - m) * inv_t
             m_keep = (_keys(b_l) >= floor_key) & (tl.exp(b_x) >= min_p) & (o_v < end) & (b_l > float("-inf"))
-            r0, _, _, _ = tl.philox(seed, o_v.to(tl.uint32), c_lo + o_v.to(tl.uint32) * 0,
-                                    c_hi + o_v.to(tl.uint32) * 0, o_v.to(tl.uint32) * 0)
+            r0, _r1, _r2, _r3 = tl.philox(seed, o_v.to(tl.uint32), c_lo + o_v.to(tl.uint32) * 0,
+                                          c_hi + o_v.to(tl.uint32) * 0, o_v.to(tl.uint32) * 0)
             b_u = tl.uint_to_uniform_float(r0)
             b_g = b_x - tl.log(-tl.log(b_u))
             b_g = tl.where(m_keep, b_g, float("-inf"))

@@ -1,0 +1,79 @@
+"""Compile graphrt's sampling and speculative Triton kernels for an sm_90 GPU without one
+(Triton's own compiler and the ptxas its wheel carries): what the interpreter accepts and
+a GPU's compiler refuses (a constexpr reassigned in a loop, a loop-carried variable that
+changes type) fails here. Run with TRITON_INTERPRET unset; prints one line per kernel
+variant and exits 1 if any failed.
+
+    python tests/_compile_for_gpu.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import graphrt.kernels.sampling as ks
+import graphrt.kernels.speculative as kspec
+
+
+def ptr(t: str) -> str:
+    return "*" + t
+
+
+def variants():
+    """(kernel, signature, constexprs): every variant the launchers make, with bf16 logits."""
+    rows = {"logits_ptr": ptr("bf16"), "stride_row": "i32", "V": "i32", "CHUNK": "i32", "C": "i32"}
+    state = {"temp_ptr": ptr("fp32"), "top_k_ptr": ptr("i32"), "top_p_ptr": ptr("fp32")}
+    yield ks._max_kernel, {**rows, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"), "BLOCK": "constexpr"}, \
+        {"BLOCK": 1024}
+    for weighted in (False, True):
+        h = "fp32" if weighted else "i32"
+        sig = {**rows, "S": "i32", **state, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"), "h_ptr": ptr(h),
+               "key_ptr": ptr("i64"), "need_ptr": ptr(h), "kthr_ptr": ptr("i64"), "zpart_ptr": ptr("fp32"),
+               "level": "i32", "WEIGHTED": "constexpr", "CP": "constexpr", "BLOCK": "constexpr"}
+        yield ks._radix_kernel, sig, {"WEIGHTED": weighted, "CP": 128, "BLOCK": 1024}
+        yield ks._radix_kernel, sig, {"WEIGHTED": weighted, "CP": 2, "BLOCK": 128, "level": 1}  # (1: specialised)
+    yield ks._mass_kernel, {**rows, "S": "i32", **state, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"),
+                            "hk_ptr": ptr("i32"), "kkey_ptr": ptr("i64"), "kneed_ptr": ptr("i32"),
+                            "kthr_ptr": ptr("i64"), "zpart_ptr": ptr("fp32"), "CP": "constexpr",
+                            "BLOCK": "constexpr"}, {"CP": 128, "BLOCK": 1024}
+    yield ks._draw_kernel, {**rows, "S": "i32", **state, "min_p_ptr": ptr("fp32"), "seed_ptr": ptr("i64"),
+                            "counter_ptr": ptr("i64"), "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"),
+                            "kthr_ptr": ptr("i64"), "hp_ptr": ptr("fp32"), "pkey_ptr": ptr("i64"),
+                            "pneed_ptr": ptr("fp32"), "bestv_ptr": ptr("fp32"), "besti_ptr": ptr("i32"),
+                            "lowc_ptr": ptr("fp32"), "CP": "constexpr", "BLOCK": "constexpr"}, {"CP": 128, "BLOCK": 1024}
+    for has_lowest in (False, True):
+        yield ks._pick_kernel, {"temp_ptr": ptr("fp32"), "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"),
+                                "bestv_ptr": ptr("fp32"), "besti_ptr": ptr("i32"), "lowc_ptr": ptr("fp32"),
+                                "out_ptr": ptr("i64"), "lowest_ptr": ptr("fp32"), "C": "i32",
+                                "HAS_LOWEST": "constexpr", "CP": "constexpr"}, {"HAS_LOWEST": has_lowest, "CP": 128}
+    yield ks._uniform_kernel, {"seed_ptr": ptr("i64"), "counter_ptr": ptr("i64"), "out_ptr": ptr("fp32"), "N": "i32",
+                               "BLOCK": "constexpr"}, {"BLOCK": 16}
+    for has_ids in (False, True):
+        yield kspec._place_kernel, {"request_ptr": ptr("i32"), "offset_ptr": ptr("i32"), "length_ptr": ptr("i32"),
+                                    "num_requests": "i32", "qsl_ptr": ptr("i32"), "seq_lens_ptr": ptr("i32"),
+                                    "positions_ptr": ptr("i64"), "slot_ptr": ptr("i64"), "num_tokens": "i32",
+                                    "bt_ptr": ptr("i32"), "stride_bt_s": "i32", "stride_bt_b": "i32",
+                                    "max_blocks": "i32", "block_size": "i32", "ids_ptr": ptr("i64"),
+                                    "tokens_ptr": ptr("i64"), "stride_tok": "i32", "tok_cols": "i32",
+                                    "HAS_IDS": "constexpr", "BLOCK": "constexpr"}, {"HAS_IDS": has_ids, "BLOCK": 16}
+
+
+def main() -> int:
+    target = GPUTarget("cuda", 90, 32)
+    failed = 0
+    for fn, signature, constexprs in variants():
+        try:
+            triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
+            print(f"ok   {fn.__name__} {constexprs}")
+        except Exception as e:     # the compiler's own error, shown whole
+            failed += 1
+            print(f"FAIL {fn.__name__} {constexprs}: {type(e).__name__}: {e}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
