@@ -70,7 +70,6 @@ class Field:
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")
-_SAMPLING_EMPTY = (0.0, 0, 1.0, 0.0, 0)     # SAMPLING_FIELDS of a padding sequence: greedy
 # The fields in arena order (the block table goes after them: see the module doc). A new
 # staged field is one entry here, plus what fills it in ``StepBuffers.pack``.
 FIELDS = (
@@ -89,6 +88,7 @@ FIELDS = (
     Field("request", np.int32, "seqs", -1, "speculative"),       # a row of graphrt.speculative.SpecState
     Field("offset", np.int32, "seqs", 0, "speculative"),         # first token's position - that row's length
 )
+_EMPTY = {f.name: f.empty for f in FIELDS}     # a padding sequence's (or token's) value of each field
 
 
 @dataclass(frozen=True)
@@ -286,9 +286,9 @@ class StepBuffers:
             self._fill_sampling(sampling or (), v)
         if v["request"] is not None:
             n = step.num_seqs
-            v["request"][n:], v["offset"][n:] = -1, 0
-            v["request"][:n] = -1 if requests is None else requests
-            v["offset"][:n] = 0 if offsets is None else offsets
+            for name, values in (("request", requests), ("offset", offsets)):
+                v[name][n:] = _EMPTY[name]
+                v[name][:n] = _EMPTY[name] if values is None else values
         return slot
 
     def _fill_sampling(self, sampling, v: dict) -> None:
@@ -298,9 +298,9 @@ class StepBuffers:
         cached = self._sampling_cache
         if cached is not None and cached[0] is sampling and len(sampling) <= v["temperature"].shape[0]:
             n = len(sampling)
-            for name, f in zip(SAMPLING_FIELDS, _SAMPLING_EMPTY):
+            for name in SAMPLING_FIELDS:
                 v[name][:n] = cached[1][name]
-                v[name][n:] = f
+                v[name][n:] = _EMPTY[name]
             return
         fields = {name: v[name] for name in SAMPLING_FIELDS}
         SamplingParams.fill(sampling, **fields, checked=True)      # Runtime.step checked them

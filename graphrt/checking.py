@@ -48,11 +48,12 @@ class _ReferenceContext:
         """[S] int64 drawn by the float64 reference with the runtime's uniforms (the same
         settings and counters, each sequence's length), greedy where ``sampling`` is None;
         ``probs``: with the kept sets' distributions [S, V] (float32, as the runtime's)."""
+        from graphrt.buffers import SAMPLING_FIELDS
         from graphrt.sampling import GREEDY
 
         params = self._sampling or [GREEDY] * self.num_seqs
         lengths = self.meta.seq_lens.cpu()
-        cols = [torch.tensor([getattr(p, f) for p in params]) for f in ("temperature", "top_k", "top_p", "min_p", "seed")]
+        cols = [torch.tensor([getattr(p, f) for p in params]) for f in SAMPLING_FIELDS]
         ids = reference.sample(logits.cpu(), *cols, lengths).to(logits.device)
         if not probs:
             return ids

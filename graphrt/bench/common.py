@@ -101,6 +101,13 @@ def captured_decode(layers: int, batch: int, context: int, *, small: bool):
     return rt, decode_arrays(batch, context, rt.cfg.block_size), np.arange(batch) % 1000
 
 
+def sync(device) -> None:
+    """Wait for ``device``'s queued work (a CUDA device; nothing on the CPU): a benchmark's
+    timing boundary, never inside a timed step."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def blocks_per_seq(context: int, block_size: int = 16) -> int:
     return -(-(context + 1) // block_size)
 

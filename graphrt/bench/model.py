@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import default_out, plot, write
+from graphrt.bench.common import default_out, plot, sync, write
 
 CONFIGS = {
     "llama-1b": dict(family="llama", num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
@@ -128,10 +128,6 @@ def decode_bytes(hf, batch: int, context: int) -> int:
     return weights + batch * tokens * per_token
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
 
 class GraphrtLoop:
     """``TransformersModel`` on a Runtime sized for one cell: prompts prefilled in steps of
@@ -208,7 +204,7 @@ class _FirstToken:
 
     def __call__(self, input_ids, scores):
         if self.at is None:
-            _sync(self.device)
+            sync(self.device)
             self.at = time.perf_counter()
         return scores
 
@@ -226,20 +222,20 @@ def hf_generate(hf, ids, pixels, new_tokens: int, static: bool) -> tuple[torch.T
         kwargs.update(pixel_values=pixels, token_type_ids=(ids == hf.config.image_token_id).long())
     if static:
         kwargs["cache_implementation"] = "static"
-    _sync(ids.device)
+    sync(ids.device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = hf.generate(ids, **kwargs)[:, ids.shape[1]:]
-    _sync(ids.device)
+    sync(ids.device)
     end = time.perf_counter()
     return out, 1e3 * (clock.at - t0), 1e3 * (end - clock.at) / max(new_tokens - 1, 1)
 
 
 def timed(fn, device) -> tuple[float, object]:
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     out = fn()
-    _sync(device)
+    sync(device)
     return 1e3 * (time.perf_counter() - t0), out
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import default_out, progress, write
+from graphrt.bench.common import default_out, progress, sync, write
 
 TARGET = dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
               num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True)
@@ -80,10 +80,6 @@ def build(spec: dict, device, dtype) -> tuple:
         drafts[name] = draft.to(dtype).eval()
     return target.to(dtype).eval(), drafts
 
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: list[int] | None = None,
@@ -141,11 +137,11 @@ def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: l
             return plain.step(step, ids, sampling=settings)[:batch].clone()
         for i in range(steps):
             if i == warm * (k + 1):
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
             ids = decode(i, ids)
             plain_tokens.append(ids)
-        _sync(device)
+        sync(device)
         plain_s = time.perf_counter() - t0
         plain_tok_s = batch * iterations * (k + 1) / plain_s
         want = torch.stack(plain_tokens, 1).tolist()                         # [batch, steps + 1]
@@ -163,10 +159,10 @@ def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: l
         outputs = []
         for i in range(total):
             if i == warm:
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
             outputs.append(loop.iterate())
-        _sync(device)
+        sync(device)
         spec_s = time.perf_counter() - t0
         emitted = torch.stack([e for e, _ in outputs]).tolist()             # [total, batch, k + 1]
         counts = torch.stack([c for _, c in outputs]).tolist()              # [total, batch]
