@@ -169,7 +169,7 @@ def _accept_sampled(ctx, state: SpecState, logits: torch.Tensor, rows: torch.Ten
                            "step's copy")
 
     def each(t: torch.Tensor) -> torch.Tensor:        # a sequence's setting for each of its K + 1 rows
-        return t[:, None].expand(s, k1).reshape(-1)
+        return t.repeat_interleave(k1)  # a copy: for one sequence a reshaped expand is a stride-0 view
     length = state.length[rows].long()
     # the target's token after position length + i is at length + 1 + i: the draws' counter there
     counter = (length[:, None] + 1 + torch.arange(k1, device=logits.device)).reshape(-1)
