@@ -3,9 +3,12 @@ tensors: temperature (0 = greedy), top-k, top-p, min-p, and a seed with a counte
 decide the draw. Nothing is a Python number per step, so a launch captures in a CUDA
 graph once and replays for any settings.
 
-A row is cut into up to MAX_CHUNKS chunks, one program each (so that one row at batch 1
-fills the GPU), and twenty launches walk the chunks, never sorting; each launch's programs
-reduce what the last one left per chunk (in a fixed order: the same result every run):
+A row is cut into up to MAX_CHUNKS chunks (a cut that depends on the vocabulary only), and
+twenty launches walk the chunks, never sorting; a program takes one chunk at small batches
+(so that one row at batch 1 fills the GPU) and several at large ones (about PROGRAMS
+programs a launch). Each launch's programs reduce what the last one left per chunk (in a
+fixed order: the same result every run and in any batch). A chunk whose maximum is below
+every candidate of a pass is not read in it. The passes:
 1. the maximum m and the first index holding it (greedy's answer);
 2. top-k's threshold, the k-th largest logit, found exactly by a radix select over the
    logits' 32-bit order-preserving keys: eight launches of four bits, each counting the
@@ -88,157 +91,173 @@ def _threshold(h_ptr, key_ptr, need_ptr, row, S, C, CP: tl.constexpr):
 
 
 @triton.jit
-def _max_kernel(logits_ptr, stride_row, V, CHUNK, C, pmax_ptr, pidx_ptr, BLOCK: tl.constexpr):
+def _max_kernel(logits_ptr, stride_row, V, CHUNK, C, G, pmax_ptr, pidx_ptr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    c = tl.program_id(1)
+    g = tl.program_id(1)
     p_row = logits_ptr + row.to(tl.int64) * stride_row
-    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    i_m = c * CHUNK
-    for start in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), BLOCK):
-        o_v = start + tl.arange(0, BLOCK)
-        b_l = _load_row(p_row, o_v, tl.minimum(c * CHUNK + CHUNK, V))
-        c_m = tl.max(b_l, axis=0)
-        c_i = tl.min(tl.where(b_l == c_m, o_v, V), axis=0)      # the piece's first maximum
-        take = c_m > m
-        i_m = tl.where(take, c_i, i_m)
-        m = tl.where(take, c_m, m)
-    tl.store(pmax_ptr + row * C + c, m)
-    tl.store(pidx_ptr + row * C + c, i_m)
+    for c in range(g * G, tl.minimum(g * G + G, C)):
+        m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+        i_m = c * CHUNK
+        end = tl.minimum(c * CHUNK + CHUNK, V)
+        for start in range(c * CHUNK, end, BLOCK):
+            o_v = start + tl.arange(0, BLOCK)
+            b_l = _load_row(p_row, o_v, end)
+            c_m = tl.max(b_l, axis=0)
+            c_i = tl.min(tl.where(b_l == c_m, o_v, V), axis=0)      # the piece's first maximum
+            take = c_m > m
+            i_m = tl.where(take, c_i, i_m)
+            m = tl.where(take, c_m, m)
+        tl.store(pmax_ptr + row * C + c, m)
+        tl.store(pidx_ptr + row * C + c, i_m)
 
 
 @triton.jit
-def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, S, temp_ptr, top_k_ptr, top_p_ptr, pmax_ptr, pidx_ptr,
+def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr, top_p_ptr, pmax_ptr, pidx_ptr,
                   h_ptr, key_ptr, need_ptr, kthr_ptr, zpart_ptr, level, WEIGHTED: tl.constexpr, CP: tl.constexpr,
                   BLOCK: tl.constexpr):
     """Level ``level`` of a radix select (WEIGHTED: top-p's, over the top-k set; else top-k's)
-    for one chunk of one row: the state before this level from the last one (chunk 0 writes
-    it, for the next level and the consumers), then this chunk's histogram of the digit."""
+    for G chunks of one row: the state before this level from the last one (the row's first
+    program writes it, for the next level and the consumers), then each chunk's histogram of
+    the digit (zeros, unread, for a chunk whose maximum is below every candidate)."""
     row = tl.program_id(0)
-    c = tl.program_id(1)
+    g = tl.program_id(1)
     t = tl.load(temp_ptr + row)
-    m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
     k = tl.load(top_k_ptr + row)
     p = tl.load(top_p_ptr + row)
     if WEIGHTED:
-        on = (t > 0) & (m > float("-inf")) & (p < 1.0)
+        wanted = (t > 0) & (p < 1.0)
     else:
-        on = (t > 0) & (m > float("-inf")) & (k > 0) & (k < V)
-    if on:
-        inv_t = 1.0 / t
-        floor_key = _keys(m) * 0
-        if WEIGHTED:
-            if (k > 0) & (k < V):
-                floor_key = tl.load(kthr_ptr + row)
-        if level == 0:
-            key = floor_key * 0
-            if WEIGHTED:
-                o_c = tl.arange(0, CP)
-                need = p * tl.sum(tl.load(zpart_ptr + row * C + o_c, mask=o_c < C, other=0.0), axis=0)
-            else:
-                need = k
-        else:
-            key, need = _digit(h_ptr, (((level - 1) * S + row) * C) * 16, C, tl.load(key_ptr + (level - 1) * S + row),
-                               tl.load(need_ptr + (level - 1) * S + row), 32 - 4 * level, CP)
-        if c == 0:
-            tl.store(key_ptr + level * S + row, key)
-            tl.store(need_ptr + level * S + row, need)
-        shift = 28 - 4 * level
-        o_b = tl.arange(0, 16)
-        if WEIGHTED:
-            b_h = tl.zeros([16], dtype=tl.float32)
-        else:
-            b_h = tl.zeros([16], dtype=tl.int32)
-        p_row = logits_ptr + row.to(tl.int64) * stride_row
-        end = tl.minimum(c * CHUNK + CHUNK, V)
-        for start in range(c * CHUNK, end, BLOCK):
-            o_v = start + tl.arange(0, BLOCK)
-            # [BLOCK]
-            b_l = _load_row(p_row, o_v, end)
-            b_k = _keys(b_l)
-            m_c = ((b_k >> (shift + 4)) == (key >> (shift + 4))) & (b_k >= floor_key) & (o_v < end)
-            b_d = (b_k >> shift) & 15
-            # [BLOCK, 16]: one-hot digit of each candidate
-            m_hit = (b_d[:, None] == o_b[None, :]) & m_c[:, None]
-            if WEIGHTED:
-                b_w = tl.exp((b_l - m) * inv_t)
-                b_h += tl.sum(tl.where(m_hit, b_w[:, None], 0.0), axis=0)
-            else:
-                b_h += tl.sum(m_hit.to(tl.int32), axis=0)
-        tl.store(h_ptr + ((level * S + row) * C + c) * 16 + o_b, b_h)
-
-
-@triton.jit
-def _mass_kernel(logits_ptr, stride_row, V, CHUNK, C, S, temp_ptr, top_k_ptr, top_p_ptr, pmax_ptr, pidx_ptr,
-                 hk_ptr, kkey_ptr, kneed_ptr, kthr_ptr, zpart_ptr, CP: tl.constexpr, BLOCK: tl.constexpr):
-    """Top-k's threshold (chunk 0 keeps it for the later passes) and, where top-p is on,
-    this chunk's share of the top-k set's softmax mass."""
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    t = tl.load(temp_ptr + row)
-    m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
-    k = tl.load(top_k_ptr + row)
-    if (t > 0) & (m > float("-inf")):
-        floor_key = _keys(m) * 0
-        if (k > 0) & (k < V):
-            floor_key = _threshold(hk_ptr, kkey_ptr, kneed_ptr, row, S, C, CP)
-        if c == 0:
-            tl.store(kthr_ptr + row, floor_key)
-        if tl.load(top_p_ptr + row) < 1.0:
+        wanted = (t > 0) & (k > 0) & (k < V)
+    if wanted:                       # (settings first: a row that needs no select reads nothing more)
+        m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+        if m > float("-inf"):
             inv_t = 1.0 / t
+            floor_key = _keys(m) * 0
+            if WEIGHTED:
+                if (k > 0) & (k < V):
+                    floor_key = tl.load(kthr_ptr + row)
+            if level == 0:
+                key = floor_key * 0
+                if WEIGHTED:
+                    o_c = tl.arange(0, CP)
+                    need = p * tl.sum(tl.load(zpart_ptr + row * C + o_c, mask=o_c < C, other=0.0), axis=0)
+                else:
+                    need = k
+            else:
+                key, need = _digit(h_ptr, (((level - 1) * S + row) * C) * 16, C,
+                                   tl.load(key_ptr + (level - 1) * S + row),
+                                   tl.load(need_ptr + (level - 1) * S + row), 32 - 4 * level, CP)
+            if g == 0:
+                tl.store(key_ptr + level * S + row, key)
+                tl.store(need_ptr + level * S + row, need)
+            shift = 28 - 4 * level
+            # the candidates: keys with the prefix's high bits, at or above the floor
+            low = tl.maximum((key >> (shift + 4)) << (shift + 4), floor_key)
+            o_b = tl.arange(0, 16)
             p_row = logits_ptr + row.to(tl.int64) * stride_row
-            end = tl.minimum(c * CHUNK + CHUNK, V)
-            z = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)
-            for start in range(c * CHUNK, end, BLOCK):
-                o_v = start + tl.arange(0, BLOCK)
-                b_l = _load_row(p_row, o_v, end)
-                z += tl.sum(tl.where(_keys(b_l) >= floor_key, tl.exp((b_l - m) * inv_t), 0.0), axis=0)
-            tl.store(zpart_ptr + row * C + c, z)
+            for c in range(g * G, tl.minimum(g * G + G, C)):
+                if WEIGHTED:
+                    b_h = tl.zeros([16], dtype=tl.float32)
+                else:
+                    b_h = tl.zeros([16], dtype=tl.int32)
+                if _keys(tl.load(pmax_ptr + row * C + c)) >= low:      # else no candidate in the chunk
+                    end = tl.minimum(c * CHUNK + CHUNK, V)
+                    for start in range(c * CHUNK, end, BLOCK):
+                        o_v = start + tl.arange(0, BLOCK)
+                        # [BLOCK]
+                        b_l = _load_row(p_row, o_v, end)
+                        b_k = _keys(b_l)
+                        m_c = ((b_k >> (shift + 4)) == (key >> (shift + 4))) & (b_k >= floor_key) & (o_v < end)
+                        b_d = (b_k >> shift) & 15
+                        # [BLOCK, 16]: one-hot digit of each candidate
+                        m_hit = (b_d[:, None] == o_b[None, :]) & m_c[:, None]
+                        if WEIGHTED:
+                            b_w = tl.exp((b_l - m) * inv_t)
+                            b_h += tl.sum(tl.where(m_hit, b_w[:, None], 0.0), axis=0)
+                        else:
+                            b_h += tl.sum(m_hit.to(tl.int32), axis=0)
+                tl.store(h_ptr + ((level * S + row) * C + c) * 16 + o_b, b_h)
 
 
 @triton.jit
-def _draw_kernel(logits_ptr, stride_row, V, CHUNK, C, S, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
+def _mass_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr, top_p_ptr, pmax_ptr, pidx_ptr,
+                 hk_ptr, kkey_ptr, kneed_ptr, kthr_ptr, zpart_ptr, CP: tl.constexpr, BLOCK: tl.constexpr):
+    """Top-k's threshold (the row's first program keeps it for the later passes) and, where
+    top-p is on, each of G chunks' share of the top-k set's softmax mass."""
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    t = tl.load(temp_ptr + row)
+    if t > 0:
+        m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+        if m > float("-inf"):
+            k = tl.load(top_k_ptr + row)
+            floor_key = _keys(m) * 0
+            if (k > 0) & (k < V):
+                floor_key = _threshold(hk_ptr, kkey_ptr, kneed_ptr, row, S, C, CP)
+            if g == 0:
+                tl.store(kthr_ptr + row, floor_key)
+            if tl.load(top_p_ptr + row) < 1.0:
+                inv_t = 1.0 / t
+                p_row = logits_ptr + row.to(tl.int64) * stride_row
+                for c in range(g * G, tl.minimum(g * G + G, C)):
+                    z = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)
+                    if _keys(tl.load(pmax_ptr + row * C + c)) >= floor_key:     # else none of the set here
+                        end = tl.minimum(c * CHUNK + CHUNK, V)
+                        for start in range(c * CHUNK, end, BLOCK):
+                            o_v = start + tl.arange(0, BLOCK)
+                            b_l = _load_row(p_row, o_v, end)
+                            z += tl.sum(tl.where(_keys(b_l) >= floor_key, tl.exp((b_l - m) * inv_t), 0.0), axis=0)
+                    tl.store(zpart_ptr + row * C + c, z)
+
+
+@triton.jit
+def _draw_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
                  counter_ptr, pmax_ptr, pidx_ptr, kthr_ptr, hp_ptr, pkey_ptr, pneed_ptr, bestv_ptr, besti_ptr,
                  lowc_ptr, CP: tl.constexpr, BLOCK: tl.constexpr):
-    """Min-p and the draw over one chunk: its best Gumbel score among the kept tokens, where,
-    and its smallest kept logit."""
+    """Min-p and the draw over G chunks: each one's best Gumbel score among the kept tokens,
+    where, and its smallest kept logit."""
     row = tl.program_id(0)
-    c = tl.program_id(1)
+    g = tl.program_id(1)
     t = tl.load(temp_ptr + row)
-    m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
-    if (t > 0) & (m > float("-inf")):
-        inv_t = 1.0 / t
-        floor_key = tl.load(kthr_ptr + row)
-        if tl.load(top_p_ptr + row) < 1.0:
-            floor_key = tl.maximum(floor_key, _threshold(hp_ptr, pkey_ptr, pneed_ptr, row, S, C, CP))
-        min_p = tl.load(min_p_ptr + row)
-        seed = tl.load(seed_ptr + row)
-        counter = tl.load(counter_ptr + row).to(tl.int64)
-        c_lo = (counter & 0xFFFFFFFF).to(tl.uint32)
-        c_hi = ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-        i_b = c * CHUNK
-        lowest = m
-        p_row = logits_ptr + row.to(tl.int64) * stride_row
-        end = tl.minimum(c * CHUNK + CHUNK, V)
-        for start in range(c * CHUNK, end, BLOCK):
-            o_v = start + tl.arange(0, BLOCK)
-            b_l = _load_row(p_row, o_v, end)
-            b_x = (b_l - m) * inv_t
-            m_keep = (_keys(b_l) >= floor_key) & (tl.exp(b_x) >= min_p) & (o_v < end) & (b_l > float("-inf"))
-            r0, _r1, _r2, _r3 = tl.philox(seed, o_v.to(tl.uint32), c_lo + o_v.to(tl.uint32) * 0,
-                                          c_hi + o_v.to(tl.uint32) * 0, o_v.to(tl.uint32) * 0)
-            b_u = tl.uint_to_uniform_float(r0)
-            b_g = b_x - tl.log(-tl.log(b_u))
-            b_g = tl.where(m_keep, b_g, float("-inf"))
-            c_best = tl.max(b_g, axis=0)
-            c_i = tl.min(tl.where(b_g == c_best, o_v, V), axis=0)
-            take = c_best > best
-            i_b = tl.where(take, c_i, i_b)
-            best = tl.where(take, c_best, best)
-            lowest = tl.minimum(lowest, tl.min(tl.where(m_keep, b_l, float("inf")), axis=0))
-        tl.store(bestv_ptr + row * C + c, best)
-        tl.store(besti_ptr + row * C + c, i_b)
-        tl.store(lowc_ptr + row * C + c, lowest)
+    if t > 0:
+        m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+        if m > float("-inf"):
+            inv_t = 1.0 / t
+            floor_key = tl.load(kthr_ptr + row)
+            if tl.load(top_p_ptr + row) < 1.0:
+                floor_key = tl.maximum(floor_key, _threshold(hp_ptr, pkey_ptr, pneed_ptr, row, S, C, CP))
+            min_p = tl.load(min_p_ptr + row)
+            seed = tl.load(seed_ptr + row)
+            counter = tl.load(counter_ptr + row).to(tl.int64)
+            c_lo = (counter & 0xFFFFFFFF).to(tl.uint32)
+            c_hi = ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            p_row = logits_ptr + row.to(tl.int64) * stride_row
+            for c in range(g * G, tl.minimum(g * G + G, C)):
+                best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+                i_b = c * CHUNK
+                lowest = m
+                if _keys(tl.load(pmax_ptr + row * C + c)) >= floor_key:     # else nothing kept here
+                    end = tl.minimum(c * CHUNK + CHUNK, V)
+                    for start in range(c * CHUNK, end, BLOCK):
+                        o_v = start + tl.arange(0, BLOCK)
+                        b_l = _load_row(p_row, o_v, end)
+                        b_x = (b_l - m) * inv_t
+                        m_keep = ((_keys(b_l) >= floor_key) & (tl.exp(b_x) >= min_p) & (o_v < end)
+                                  & (b_l > float("-inf")))
+                        r0, _r1, _r2, _r3 = tl.philox(seed, o_v.to(tl.uint32), c_lo + o_v.to(tl.uint32) * 0,
+                                                      c_hi + o_v.to(tl.uint32) * 0, o_v.to(tl.uint32) * 0)
+                        b_u = tl.uint_to_uniform_float(r0)
+                        b_g = b_x - tl.log(-tl.log(b_u))
+                        b_g = tl.where(m_keep, b_g, float("-inf"))
+                        c_best = tl.max(b_g, axis=0)
+                        c_i = tl.min(tl.where(b_g == c_best, o_v, V), axis=0)
+                        take = c_best > best
+                        i_b = tl.where(take, c_i, i_b)
+                        best = tl.where(take, c_best, best)
+                        lowest = tl.minimum(lowest, tl.min(tl.where(m_keep, b_l, float("inf")), axis=0))
+                tl.store(bestv_ptr + row * C + c, best)
+                tl.store(besti_ptr + row * C + c, i_b)
+                tl.store(lowc_ptr + row * C + c, lowest)
 
 
 @triton.jit
@@ -267,21 +286,32 @@ def default_block(vocab: int) -> int:
     return min(1024, max(16, triton.next_power_of_2(vocab)))
 
 
-MAX_CHUNKS = 128     # programs a row at most (enough to fill a GPU at batch 1)
+MAX_CHUNKS = 128     # chunks a row at most (enough to fill a GPU at batch 1)
+PROGRAMS = 1024      # programs a launch aims at: at larger batches a program takes several chunks
 
 
 def chunking(vocab: int) -> tuple[int, int, int]:
     """(block, chunk, chunks): a row is cut into ``chunks`` chunks of ``chunk`` logits (a
-    multiple of ``block``), one program each, at most MAX_CHUNKS."""
+    multiple of ``block``), at most MAX_CHUNKS. The cut depends on the vocabulary only: the
+    partial maxima and masses are per chunk, so a row's sums (and so its draw) are the same
+    in any batch."""
     block = default_block(vocab)
     chunk = max(block, -(-vocab // MAX_CHUNKS))
     chunk = -(-chunk // block) * block
     return block, chunk, -(-vocab // chunk)
 
 
+def grouping(rows: int, chunks: int) -> int:
+    """Chunks one program walks, for a launch of ``rows`` rows of ``chunks`` chunks: enough
+    that the launch has about PROGRAMS programs (one chunk each at small batches). A
+    program reads the row's partial results once for all of its chunks, and the result does
+    not depend on the grouping (each chunk's partials are written apart)."""
+    return min(chunks, max(1, -(-rows * chunks // PROGRAMS)))
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor, *, out: torch.Tensor | None = None,
-           lowest: torch.Tensor | None = None) -> torch.Tensor:
+           lowest: torch.Tensor | None = None, group: int | None = None) -> torch.Tensor:
     """Each row's next token id, drawn from ``logits`` [S, V] with that row's settings.
 
     temperature [S] float32: 0 = greedy (the first maximum), else the softmax's temperature.
@@ -291,7 +321,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     seed [S] int64, counter [S] int64 or int32 (a sequence's length, say): the draw's key
     (the same pair draws the same token).
     out [S] int64 (given: written in place). lowest [S] float32 (given: receives the
-    smallest logit kept, what the tests compare the kept set by).
+    smallest logit kept, what the tests compare the kept set by). group: chunks a program
+    walks (default ``grouping``; any value gives the same result).
 
     The settings are not checked here (they are device tensors; ``SamplingParams`` checks
     them on the host before they are staged): a temperature below 0 acts as 0, top_p >= 1
@@ -323,6 +354,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if s == 0:
         return out
     block, chunk, c = chunking(v)
+    if group is None:
+        group = grouping(s, c)
+    elif isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be an int >= 1, got {group!r}")
+    group = min(group, c)
     cp = max(2, triton.next_power_of_2(c))
     dev = logits.device
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
@@ -335,8 +371,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     kkey, pkey = torch.empty(8, s, dtype=i64, device=dev), torch.empty(8, s, dtype=i64, device=dev)
     kneed, pneed = torch.empty(8, s, dtype=i32, device=dev), torch.empty(8, s, dtype=f32, device=dev)
     kthr = torch.empty(s, dtype=i64, device=dev)
-    grid = (s, c)
-    rows = (logits, logits.stride(0), v, chunk, c)
+    grid = (s, -(-c // group))
+    rows = (logits, logits.stride(0), v, chunk, c, group)
     top_k_on = top_p_on = True      # on a GPU every pass is launched (a captured graph serves any settings) and
     if not logits.is_cuda:          # rows skip what they do not need; on the CPU (the interpreter, where each
         live = temperature > 0      # program costs milliseconds) the settings are read: passes no row needs are not run

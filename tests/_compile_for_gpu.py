@@ -24,8 +24,17 @@ def ptr(t: str) -> str:
 
 
 def variants():
-    """(kernel, signature, constexprs): every variant the launchers make, with bf16 logits."""
-    rows = {"logits_ptr": ptr("bf16"), "stride_row": "i32", "V": "i32", "CHUNK": "i32", "C": "i32"}
+    """(kernel, signature, constexprs): every variant the launchers make, with bf16 logits
+    (the chunked passes with G, the chunks a program walks, also at 1, which a launch
+    specialises)."""
+    for fn, signature, constexprs in _variants():
+        yield fn, signature, constexprs
+        if "G" in signature:
+            yield fn, signature, {**constexprs, "G": 1}
+
+
+def _variants():
+    rows = {"logits_ptr": ptr("bf16"), "stride_row": "i32", "V": "i32", "CHUNK": "i32", "C": "i32", "G": "i32"}
     state = {"temp_ptr": ptr("fp32"), "top_k_ptr": ptr("i32"), "top_p_ptr": ptr("fp32")}
     yield ks._max_kernel, {**rows, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"), "BLOCK": "constexpr"}, \
         {"BLOCK": 1024}

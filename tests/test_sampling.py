@@ -82,6 +82,47 @@ def test_sample_matches_reference(dtype, vocab, device):
         assert bool(keep[int(ids[i])]), f"row {i}: drew {int(ids[i])} outside the kept set"
 
 
+def test_chunks_walked_together_or_apart_draw_the_same(device):
+    """A program walks one chunk of a row or several (``group``, chosen from the batch): the
+    kept sets and the draws are the same to the bit, and they are the reference's, also
+    where whole chunks lie below a threshold (those chunks are not read)."""
+    from graphrt.kernels.sampling import chunking
+
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    vocab, s = 5000, 8
+    _, chunk, chunks = chunking(vocab)
+    assert chunks == 5
+    logits = (torch.randn(s, vocab, generator=gen) * 2).to(device)
+    logits[:, chunk: 3 * chunk] -= 30.0          # two chunks far below every row's top set
+    logits[2, : 2 * chunk] = -math.inf           # and a row whose first chunks are all masked
+    rows = [(float(rng.choice([0.5, 1.0, 1.5])), int(rng.choice([0, 1, 7, 60])), float(rng.choice([1.0, 0.9, 0.3])),
+             float(rng.choice([0.0, 0.05])), int(rng.integers(0, 2 ** 62)), int(rng.integers(0, 2 ** 40)))
+            for _ in range(s)]
+    rows[0] = (0.0, 0, 1.0, 0.0, 1, 1)                       # greedy beside them
+    args = settings(rows, device)
+    got = {}
+    for group in (1, 2, 5):
+        lowest = torch.empty(s, dtype=torch.float32, device=device)
+        got[group] = (sample(logits, **args, lowest=lowest, group=group).cpu(), lowest.cpu())
+    for group in (2, 5):
+        assert torch.equal(got[group][0], got[1][0]), f"group {group} (seed {seed})"
+        assert torch.equal(got[group][1], got[1][1]), f"group {group} (seed {seed})"
+    ids, lowest = got[1]
+    ref = reference.sample(logits.cpu(), *(args[k].cpu() for k in ("temperature", "top_k", "top_p", "min_p",
+                                                                     "seed", "counter")))
+    keep_all = kept(logits, lowest)
+    for i, (t, k, p, mp, sd, c) in enumerate(rows):
+        if t == 0:
+            assert int(ids[i]) == int(ref[i]), f"row {i} (seed {seed})"
+            continue
+        keep, _ = reference.sampling_keep(logits[i].cpu(), t, k, p, mp)
+        assert torch.equal(keep_all[i], keep), f"row {i} {rows[i]} (seed {seed})"
+        assert not keep[chunk: 3 * chunk].any(), f"row {i}: the low chunks hold a kept token"
+        if int(ids[i]) != int(ref[i]):
+            assert draw_gap(logits[i].cpu(), keep, t, sd, c) < 1e-4, f"row {i} {rows[i]} (seed {seed})"
+
+
 @pytest.mark.parametrize("case", [
     pytest.param((0.7, 0, 1.0, 0.0), id="temperature"),
     pytest.param((1.0, 10, 1.0, 0.0), id="top-k"),
@@ -239,6 +280,9 @@ def test_sample_refuses_bad_input(device):
         sample(logits, **good, out=torch.zeros(3, dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match="at least one column"):
         sample(torch.zeros(2, 0, device=device), **good)
+    for group in (0, 1.5, True):
+        with pytest.raises(ValueError, match="group must be an int >= 1"):
+            sample(logits, **good, group=group)
     assert sample(torch.zeros(0, 8, device=device), **settings([(1.0, 0, 1.0, 0.0, 0, 0)], device)
                   | {k: v[:0] for k, v in good.items()}).shape == (0,)
 
