@@ -13,36 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from graphrt.config import RuntimeConfig
 from graphrt.sampling import SamplingParams
-from graphrt.serve import next_chunk
+from graphrt.serve import Request, serve
 from graphrt.step import SeqStep, Step
-
-
-@dataclass
-class Request:
-    rid: int
-    arrival: int                 # step at which it joins
-    prompt: list[int]
-    image: tuple[int, int]       # half-open positions of its image tokens
-    new_tokens: int
-    blocks: list[int] = field(default_factory=list)
-    cached: int = 0              # tokens already in the KV cache
-    generated: list[int] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return len(self.generated) >= self.new_tokens
-
-    def next_chunk(self, budget: int) -> int:
-        """Prompt tokens to prefill now (0 when decoding): at most ``budget``, never
-        ending inside the image."""
-        return next_chunk(self.cached, budget, len(self.prompt), [self.image])
 
 
 def _make_requests(rng: np.random.Generator, n: int, prompt_len: tuple[int, int], image_len: int, vocab: int,
@@ -52,7 +30,7 @@ def _make_requests(rng: np.random.Generator, n: int, prompt_len: tuple[int, int]
         length = int(rng.integers(*prompt_len))
         start = int(rng.integers(1, length - image_len))
         reqs.append(Request(rid=rid, arrival=2 * rid, prompt=rng.integers(0, vocab, length).tolist(),
-                            image=(start, start + image_len), new_tokens=new_tokens))
+                            new_tokens=new_tokens, ranges=[(start, start + image_len)]))
     return reqs
 
 
@@ -70,7 +48,7 @@ class _Sampled(torch.nn.Module):
 
 def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk: int, seed: int,
              sample: bool = False) -> int:
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     from graphrt.checking import ReferenceRunner
     from graphrt.profiling import count_transfers
@@ -95,7 +73,7 @@ def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk:
     rng = np.random.default_rng(seed)
     reqs = _make_requests(rng, requests, prompt_len, image_len, vocab, new_tokens)
     settings = {r.rid: SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=seed * 1000 + r.rid) for r in reqs}
-    free_blocks = list(rng.permutation(cfg.num_blocks))
+    free_blocks = rng.permutation(cfg.num_blocks).tolist()
     if on_gpu:
         t0 = time.perf_counter()
         graphs = rt.capture()
@@ -107,51 +85,40 @@ def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk:
           f"head_dim {cfg.head_dim}, {cfg.dtype}; {requests} requests with one image each"
           + ("; tokens drawn in the step (temperature 0.8, top-k 50, top-p 0.95)" if sample else ""))
 
-    step_no, prefill_tok, decode_tok, worst, host_s, buckets = 0, 0, 0, 0.0, [], {}
-    drawn = agreed = 0
+    stats = dict(prefill=0, decode=0, worst=0.0, drawn=0, agreed=0)
+    host_s: list[float] = []
+    buckets: dict[str, int] = {}
+
+    def check(step_no, step, owners, ids, out):
+        """Each step against the reference runner, which runs it on the CPU."""
+        checked = checker.step(step, ids, sampling=[settings[r.rid] for r in owners] if sample else None)
+        want = checked[1]
+        if sample:          # the reference's draws from its own logits (a near tie may differ in bf16)
+            stats["drawn"] += step.num_seqs
+            stats["agreed"] += sum(int(a == b) for a, b in zip(out[2][: step.num_seqs].tolist(), checked[2].tolist()))
+        scale = want.abs().max().item()
+        err = (out[1][: step.num_seqs].float().cpu() - want).abs().max().item() / scale
+        stats["worst"] = max(stats["worst"], err)
+        label = str(rt.last.bucket) if rt.last.bucket else "eager"
+        buckets[label] = buckets.get(label, 0) + 1
+        for r, q_len in zip(owners, step.q_lens.tolist()):
+            stats["prefill" if r.cached - q_len < len(r.prompt) else "decode"] += q_len
+        kinds = "".join("P" if q > 1 else "D" for q in step.q_lens)
+        print(f"  step {step_no:3d}: {step.num_seqs} seqs [{kinds}] {step.num_tokens:4d} tokens -> {label}, "
+              f"{rt.last.copy_bytes} B copied")
+
     # On a GPU the torch profiler counts the copies and syncs that the summary reports.
     profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if on_gpu else contextlib.nullcontext()
     t_start = time.perf_counter()
     with profiler as prof:
-        while not all(r.done for r in reqs):
-            running = [r for r in reqs if r.arrival <= step_no and not r.done]
-            step_no += 1
-            seqs, tokens, owners = _schedule(running, chunk, cfg.block_size, free_blocks)
-            if not seqs:
-                continue
-            step = Step(seqs)
-            t0 = time.perf_counter()
-            params = [settings[r.rid] for r in owners] if sample else None
-            with record_function("graphrt_step"):
-                out = rt.step(step, tokens, sampling=params)
-            host_s.append(time.perf_counter() - t0)
-            logits = out[1]
-            # the loop's own read-back, not graphrt's: the tokens drawn in the step, or the argmax
-            next_tok = (out[2] if sample else logits.argmax(-1))[: step.num_seqs].tolist()
-            checked = checker.step(step, tokens, sampling=params)
-            want = checked[1]
-            if sample:          # the reference's draws from its own logits (a near tie may differ in bf16)
-                drawn += step.num_seqs
-                agreed += sum(int(a == b) for a, b in zip(next_tok, checked[2].tolist()))
-            scale = want.abs().max().item()
-            worst = max(worst, (logits[: step.num_seqs].float().cpu() - want).abs().max().item() / scale)
-            label = str(rt.last.bucket) if rt.last.bucket else "eager"
-            buckets[label] = buckets.get(label, 0) + 1
-            for r, q_len, tok in zip(owners, step.q_lens.tolist(), next_tok):
-                was_prefill = r.cached < len(r.prompt)
-                r.cached += q_len
-                prefill_tok += q_len if was_prefill else 0
-                decode_tok += 0 if was_prefill else 1
-                if r.cached >= len(r.prompt):
-                    r.generated.append(int(tok))
-            kinds = "".join("P" if q > 1 else "D" for q in step.q_lens)
-            print(f"  step {step_no:3d}: {step.num_seqs} seqs [{kinds}] {step.num_tokens:4d} tokens -> {label}, "
-                  f"{rt.last.copy_bytes} B copied")
+        serve(rt, reqs, chunk=chunk, free_blocks=free_blocks, sampling=settings if sample else None, on_step=check,
+              host_times=host_s)
     total = time.perf_counter() - t_start
     seen = count_transfers(prof, "graphrt_step") if on_gpu else None
     tol = 5e-2 if cfg.dtype == torch.bfloat16 else 1e-3
     steps = len(host_s)
-    print(f"done: {steps} steps, {prefill_tok} prefill + {decode_tok} decode tokens in {total:.2f} s "
+    worst, agreed, drawn = stats["worst"], stats["agreed"], stats["drawn"]
+    print(f"done: {steps} steps, {stats['prefill']} prefill + {stats['decode']} decode tokens in {total:.2f} s "
           f"(with the reference check and profiler running alongside)")
     print(f"  host time in rt.step: median {1e6 * np.median(host_s):.0f} us/step"
           f"{' (under the torch profiler)' if on_gpu else ''}")
@@ -165,25 +132,7 @@ def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk:
     print(f"  logits vs float64-attention reference, worst error / max |logit|: {worst:.2e} "
           f"({'ok' if worst < tol else 'TOO LARGE'}, tolerance {tol:g})")
     for r in reqs:
-        print(f"  request {r.rid}: prompt {len(r.prompt)} tokens (image at {list(r.image)}), generated {r.generated}")
+        print(f"  request {r.rid}: prompt {len(r.prompt)} tokens (image at {list(r.ranges[0])}), generated {r.generated}")
     ok = worst < tol and (seen is None or (seen.h2d_pinned == steps and seen.h2d_pageable == 0 and seen.syncs == 0))
     ok = ok and (on_gpu or agreed == drawn)     # fp32 on both sides: the same draws (bf16 logits may tip a near tie)
     return 0 if ok else 1
-
-
-def _schedule(running: list[Request], chunk: int, block_size: int, free_blocks: list) -> tuple[list, list, list]:
-    """This step's sequences: every decode, plus prefill chunks within ``chunk`` tokens."""
-    budget, seqs, tokens, owners = chunk, [], [], []
-    for r in running:
-        n = r.next_chunk(budget)
-        if n == 0 and r.cached < len(r.prompt):
-            continue                          # no prefill budget left this step
-        q_len = n or 1
-        tokens += r.prompt[r.cached: r.cached + n] if n else [r.generated[-1]]
-        budget = max(budget - n, 0)
-        while len(r.blocks) * block_size < r.cached + q_len:
-            r.blocks.append(int(free_blocks.pop()))
-        ranges = [r.image] if r.image[1] <= r.cached + q_len else []
-        seqs.append(SeqStep(q_len=q_len, context_len=r.cached, block_ids=r.blocks, prefix_ranges=ranges))
-        owners.append(r)
-    return seqs, tokens, owners

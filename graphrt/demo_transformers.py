@@ -50,7 +50,7 @@ def run_transformers_demo(*, kind: str, device: str, chunk: int, seed: int) -> i
     never = torch.tensor([BOI, EOI, IMAGE, VIDEO], device=device)
     buckets: dict[str, int] = {}
 
-    def show(step_no, step, owners):
+    def show(step_no, step, owners, ids, out):
         label = str(rt.last.bucket) if rt.last.bucket else "eager"
         buckets[label] = buckets.get(label, 0) + 1
         kinds = "".join("P" if q > 1 else "D" for q in step.q_lens)

@@ -1,4 +1,5 @@
-"""A small continuous-batching loop over a Runtime, for the demo and the adapter tests.
+"""A small continuous-batching loop over a Runtime: the demos', the adapter tests' and
+``graphrt bench model``'s prefill.
 
 Requests join at different steps; each step takes every decode plus prefill chunks within a
 token budget. A chunk never ends inside a prefix range (a range may only use keys that are
@@ -11,13 +12,15 @@ finished request's blocks go back to the free list.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch.profiler import record_function
 
+from graphrt.sampling import SamplingParams
 from graphrt.step import SeqStep, Step
 
 
@@ -96,11 +99,25 @@ def schedule(running: list[Request], chunk: int, block_size: int, free_blocks: l
 
 
 def serve(rt, requests: list[Request], *, chunk: int, free_blocks: list[int], never: Sequence[int] | torch.Tensor = (),
-          on_step: Callable[[int, Step, list[Request]], None] | None = None) -> int:
+          sampling: Mapping[int, SamplingParams] | None = None,
+          on_step: Callable[[int, Step, list[Request], list[int], Any], None] | None = None,
+          host_times: list[float] | None = None, read_back: bool = True) -> int:
     """Run ``requests`` to completion on ``rt`` (a Runtime whose model step returns the
-    logits of each sequence's last token, [S, vocab], or a tuple ending with them);
-    greedy tokens, never one of ``never`` (image placeholders, say). Each request keeps
-    the logits of every position it sampled at. Returns the number of steps."""
+    logits of each sequence's last token, [S, vocab], or a tuple ending with them). The
+    one request loop of the demos and ``graphrt bench model``.
+
+    Tokens: greedy, never one of ``never`` (image placeholders, say); or, with ``sampling``
+    (a request id -> ``SamplingParams`` map; the runtime's config has ``sampling=True``),
+    each step passes its sequences' settings and takes the ids the step drew itself: the
+    step function then returns a tuple ending with (logits, drawn ids). Each request keeps
+    the logits of every position it took a token at. ``on_step(step_no, step, owners, ids,
+    outputs)`` runs after each step (ids: the step's input token ids); ``host_times`` receives each ``rt.step`` call's host
+    seconds. ``read_back=False``: the tokens are not read on the host (no sync a step); each
+    request's token stays on the device as a 0-d tensor in ``generated``, so every request
+    must want one new token (a prefill, with its first token). Returns the number of steps."""
+    if not read_back and any(r.new_tokens != 1 for r in requests):
+        raise ValueError("serve(read_back=False) runs requests of new_tokens=1 only (a decode needs its last "
+                         "token on the host)")
     banned = torch.as_tensor(never, dtype=torch.long).to(rt.device)     # once, before the first step
     step_no = steps = 0
     while not all(r.done for r in requests):
@@ -111,19 +128,29 @@ def serve(rt, requests: list[Request], *, chunk: int, free_blocks: list[int], ne
         if not seqs:
             continue
         step = Step(seqs)
+        params = [sampling[r.rid] for r in owners] if sampling is not None else None
+        t0 = time.perf_counter()
         with record_function("graphrt_step"):          # what a profile of the loop counts as the step
             out = rt.step(step, ids, embeds=embeds, embed_rows=rows if embeds is not None else None,
-                          positions=positions)
-        logits = (out[-1] if isinstance(out, tuple) else out)[: step.num_seqs].float().clone()
-        tokens = logits.index_fill(1, banned, float("-inf")).argmax(-1).tolist()   # the loop's own read-back
+                          positions=positions, sampling=params)
+        if host_times is not None:
+            host_times.append(time.perf_counter() - t0)
+        n = step.num_seqs
+        if sampling is not None:
+            logits, drawn = out[-2][:n], out[-1][:n]
+        else:
+            logits = (out[-1] if isinstance(out, tuple) else out)[:n]
+            drawn = logits.float().index_fill(1, banned, float("-inf")).argmax(-1)
+        logits = logits.float().clone()            # new tensors: the next replay cannot touch them
+        tokens = drawn.tolist() if read_back else drawn.clone()   # the loop's own read-back (or none)
         steps += 1
         for i, (r, q_len) in enumerate(zip(owners, step.q_lens.tolist())):
             r.cached += q_len
             if r.cached >= len(r.prompt):
                 r.logits.append((r.cached - 1, logits[i]))
-                r.generated.append(int(tokens[i]))
+                r.generated.append(int(tokens[i]) if read_back else tokens[i])
                 if r.done:                # its blocks serve the requests still to come
                     free_blocks.extend(reversed(r.blocks))
         if on_step:
-            on_step(step_no, step, owners)
+            on_step(step_no, step, owners, ids, out)
     return steps

@@ -333,7 +333,7 @@ def compiled_and_eager_errors(kind: str, device, dtype, options: CompileOptions,
     sampled: list[tuple[int, int, Request, int]] = []     # (step, row, request, its logits entry)
     counts = {id(r): 0 for r in reqs}
 
-    def on_step(_, step, owners):
+    def on_step(_, step, owners, *__):
         for i, r in enumerate(owners):
             if len(r.logits) > counts[id(r)]:
                 counts[id(r)] = len(r.logits)

@@ -157,8 +157,7 @@ class GraphrtLoop:
     def prefill(self, ids: torch.Tensor, features: list | None) -> torch.Tensor:
         """All prompts ([batch, prompt] host ids): the first generated tokens [batch], on the
         device, with no host sync."""
-        from graphrt import Step
-        from graphrt.serve import Request, schedule
+        from graphrt.serve import Request, serve
 
         reqs = []
         for i, row in enumerate(ids.tolist()):
@@ -167,17 +166,8 @@ class GraphrtLoop:
             r.blocks = self.table[i].tolist()
             reqs.append(r)
         self.ranges = reqs[0].ranges
-        firsts = [None] * self.batch
-        while any(r.cached < self.prompt for r in reqs):
-            running = [r for r in reqs if r.cached < self.prompt]
-            seqs, tokens, owners, embeds, rows, _ = schedule(running, self.chunk, self.block, [])
-            step = Step(seqs)
-            logits = self.rt.step(step, tokens, embeds=embeds, embed_rows=rows if embeds is not None else None)
-            for i, (r, q) in enumerate(zip(owners, step.q_lens.tolist())):
-                r.cached += q
-                if r.cached == self.prompt:
-                    firsts[r.rid] = logits[i].argmax(-1)   # a new tensor: the next replay cannot touch it
-        return torch.stack(firsts)
+        serve(self.rt, reqs, chunk=self.chunk, free_blocks=[], read_back=False)
+        return torch.stack([r.generated[0] for r in reqs])
 
     def decode(self, first: torch.Tensor, steps: int) -> torch.Tensor:
         """``steps`` greedy decodes of the whole batch from ``first`` ([batch] ids on the
