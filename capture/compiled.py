@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from .buckets import Bucket
+from .buckets import KINDS, Bucket
 
 # Inductor options graphrt sets: CUDA graphs belong to graphrt's capture
 _FIXED = {"triton.cudagraphs": False}
@@ -55,8 +55,8 @@ class CompileOptions:
     small_linear: with Inductor, run the step's fp16/bf16 matmuls of at most 32 rows
                through graphrt's ``small_linear`` where it measured faster than cuBLAS, the
                ones that share an input in one launch (``graphrt.capture.linear_pass``).
-    kinds:     the bucket kinds compiled, of "decode" and "mixed" (default both); the others
-               are captured from the uncompiled step. ("decode",) skips the prompt buckets'
+    kinds:     the bucket kinds compiled, of "decode", "verify" and "mixed" (default all);
+               the others are captured from the uncompiled step. ("decode",) skips the prompt buckets'
                compiles, about 45 % of a Llama-3.2-1B's compile + capture on the H100
                (22.7 of 51.3 s, results/h100/model.json), where prefill is matmul-bound.
     """
@@ -67,7 +67,7 @@ class CompileOptions:
     options: dict | None = None
     attention_calls: int | None = None
     small_linear: bool = True
-    kinds: tuple = ("decode", "mixed")
+    kinds: tuple = KINDS
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or not self.backend:
@@ -89,8 +89,8 @@ class CompileOptions:
             raise ValueError("CompileOptions.options sets post_grad_custom_pre_pass, which small_linear uses: "
                              "pass small_linear=False to run your own pass there")
         if (not isinstance(self.kinds, tuple) or not self.kinds
-                or any(k not in ("decode", "mixed") for k in self.kinds) or len(set(self.kinds)) != len(self.kinds)):
-            raise ValueError(f"CompileOptions.kinds must be a tuple of distinct bucket kinds of ('decode', 'mixed'), "
+                or any(k not in KINDS for k in self.kinds) or len(set(self.kinds)) != len(self.kinds)):
+            raise ValueError(f"CompileOptions.kinds must be a tuple of distinct bucket kinds of {KINDS}, "
                              f"got {self.kinds!r}")
         calls = self.attention_calls
         if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int) or calls < 0):

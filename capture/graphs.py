@@ -132,7 +132,7 @@ class GraphSet:
                 # most of the variants, which then reach the workers early
                 ordered = sorted(set(buckets), reverse=True)
                 ends = []
-                for kind in ("mixed", "decode"):
+                for kind in ("mixed", "verify", "decode"):
                     same = [b for b in ordered if b.kind == kind]
                     ends += list(dict.fromkeys(same[:1] + same[-1:]))
                 for bucket in ends + [b for b in ordered if b not in ends]:
@@ -226,9 +226,10 @@ class GraphSet:
             self.index = BucketIndex(list(self.graphs))
             self._addresses = [t.data_ptr() for _, t in self._guard()]
 
-    def pick(self, num_seqs: int, num_tokens: int, is_decode: bool) -> CapturedGraph | None:
-        """The captured graph of the smallest bucket that fits, or None."""
-        bucket = self.index.pick(num_seqs, num_tokens, is_decode)
+    def pick(self, num_seqs: int, num_tokens: int, is_decode: bool, q_len: int | None = None) -> CapturedGraph | None:
+        """The captured graph of the smallest bucket that fits, or None (``q_len``: every
+        sequence's query length where they are all equal, for verify buckets)."""
+        bucket = self.index.pick(num_seqs, num_tokens, is_decode, q_len)
         return None if bucket is None else self.graphs[bucket]
 
     def replay(self, captured: CapturedGraph) -> Any:

@@ -31,8 +31,9 @@ def run_speculative_demo(*, device: str, drafts: int = 3, iterations: int = 6, s
     runtimes = speculative_runtimes(cfg, state, target, draft, **kw)
     plain = Runtime(cfg, target, num_layers=n, **kw)
     if on_gpu:
-        for rt in (*runtimes, plain):
-            rt.capture(decode_buckets=[4], mixed_buckets=[16, 64], quiet=True)
+        for rt in (*runtimes, plain):   # the verify runtime (second) with a verify bucket of 4 sequences
+            rt.capture(decode_buckets=[4], mixed_buckets=[16, 64], quiet=True,
+                       **(dict(verify_buckets=[4], drafts=drafts) if rt is runtimes[1] else {}))
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 64, int(m)) for m in rng.integers(6, 14, requests)]
     blocks = [list(range(per_request * r, per_request * (r + 1))) for r in range(requests)]

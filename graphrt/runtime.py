@@ -249,10 +249,15 @@ class Runtime:
 
     # ---------------------------------------------------------------- capture
     def capture(self, decode_buckets: Sequence[int] | None = None, mixed_buckets: Sequence[int] | None = None, *,
+                verify_buckets: Sequence[int] = (), drafts: int | None = None,
                 progress: Callable[[CapturedGraph], None] | None = None, quiet: bool = False,
                 precompile: bool | None = None) -> list[CapturedGraph]:
         """Capture one graph per bucket (defaults: ``capture.default_buckets``), largest
         first, in one memory pool. Decode buckets count sequences, mixed buckets tokens.
+        ``verify_buckets`` (none by default) count sequences of ``drafts`` + 1 tokens each,
+        a speculative verify step's shape: a step whose sequences all bring that many
+        tokens replays one (its attention split over the keys like a decode's) before any
+        mixed bucket.
         A progress bar shows on an interactive terminal unless ``quiet``; ``progress`` is
         called with each captured graph. A no-op returning [] on CPU, except for a
         compiled step (``compile=``): there it compiles each bucket's step and returns
@@ -267,6 +272,8 @@ class Runtime:
 
         Raises ``graphrt.capture.CaptureError`` naming the buckets that ran out of GPU
         memory (and the bytes asked for); the other buckets are captured and usable."""
+        if verify_buckets and (isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1):
+            raise ValueError(f"drafts must be an int >= 1 with verify_buckets, got {drafts!r}")
         if self.graphs is None:
             return []
         if precompile is None:
@@ -276,7 +283,8 @@ class Runtime:
         default_decode, default_mixed = default_buckets(cfg.max_num_seqs, cfg.max_num_tokens)
         buckets = make_buckets(list(default_decode if decode_buckets is None else decode_buckets),
                                list(default_mixed if mixed_buckets is None else mixed_buckets),
-                               cfg.max_num_seqs, cfg.max_num_tokens)
+                               cfg.max_num_seqs, cfg.max_num_tokens, verify=list(verify_buckets),
+                               verify_q_len=drafts + 1 if verify_buckets else None)
 
         def prepare(bucket: Bucket) -> Callable[[], Any]:
             prepared = self._prepared.get(bucket)
@@ -284,7 +292,7 @@ class Runtime:
             self.buffers.stage_empty(layout)
             ctx = StepContext(self, self.buffers.device_views(layout), max_query_len=bucket.max_query_len,
                               num_splits=(decode_splits(bucket.num_seqs, cfg.num_kv_heads, self.device)
-                                          if bucket.kind == "decode" else 1))
+                                          if bucket.splits_kv else 1))
             self._prepared[bucket] = (layout, ctx)
             if self.compiler is not None and bucket.kind in self.compiler.options.kinds:
                 return self.compiler.for_bucket(bucket, ctx)
@@ -354,6 +362,16 @@ class Runtime:
         return [self.buffers.arena, *embeds, *self.k_caches, *self.v_caches, *scales,
                 *map(dict.get, *self._weight_lookup)]
 
+    def _uniform_q(self, step: Step) -> int | None:
+        """Every sequence's query length where they are all one length that a verify bucket
+        was captured for (only then is the step's q_lens read), else None."""
+        verify = self.graphs.index.verify
+        n = step.num_seqs
+        if not verify or step.is_decode or n == 0 or step.num_tokens % n:
+            return None
+        q = step.num_tokens // n
+        return q if q in verify and bool((step.q_lens == q).all()) else None
+
     # ---------------------------------------------------------------- step
     def step(self, step: Step, input_ids: Any = None, *, embeds: torch.Tensor | None = None,
              embed_rows: Any = None, positions: Any = None, sampling: Sequence[SamplingParams] | None = None,
@@ -385,7 +403,7 @@ class Runtime:
             self._checked_sampling = sampling if isinstance(sampling, tuple) else None
         requests, offsets = _check_speculative(requests, offsets, step.num_seqs, self.cfg)
         n_seqs, n_tokens = step.num_seqs, step.num_tokens
-        captured = self.graphs.pick(n_seqs, n_tokens, step.is_decode) if self.graphs else None
+        captured = self.graphs.pick(n_seqs, n_tokens, step.is_decode, self._uniform_q(step)) if self.graphs else None
         if captured is not None:
             self.graphs.check_guard()
         strict = self.strict and self.device.type == "cuda"

@@ -11,7 +11,7 @@ import torch
 from _cases import TOL, Seq, assert_close, build_meta, fresh_seed, rngs
 from _model import random_step
 from graphrt import Runtime, SeqStep, Step
-from graphrt.capture import CompileError, CompileOptions
+from graphrt.capture import Bucket, CompileError, CompileOptions
 from graphrt.kernels import paged_attention, reference, split_workspace, write_kv
 from graphrt.kernels.ops import attention_op
 from graphrt.toy import ToyModel
@@ -254,12 +254,14 @@ def test_compiled_speculative_loop_matches_the_uncompiled_one(device):
         cfg, state, runtimes, _ = speculative_setup(device, torch.float32, 0, 2, 0.1, compile=options)
         prompts = [np.arange(3, 10), np.arange(20, 31)]
         blocks = [list(range(16 * r, 16 * r + 16)) for r in range(2)]
-        if options is not None:
-            for rt in runtimes:
-                rt.capture(decode_buckets=[2], mixed_buckets=[8, 32], quiet=True)
+        if options is not None:     # the verify runtime with a verify bucket (2 sequences of 2 drafts + 1)
+            for i, rt in enumerate(runtimes):
+                rt.capture(decode_buckets=[2], mixed_buckets=[8, 32], quiet=True,
+                           **(dict(verify_buckets=[2], drafts=2) if i == 1 else {}))
         outs[name] = [(e.tolist(), c.tolist()) for e, c in run_speculative(runtimes, prompts, blocks, 2, 3, state)]
         if options is not None:
             assert runtimes[1].last.mode in ("compiled", "replay")
+            assert runtimes[1].last.bucket == Bucket(6, 2, "verify", 3), runtimes[1].last
             ops = {op for r in runtimes[1].compiler.records.values() for op in r.ops}
             assert "graphrt.place_tokens" in ops, ops
     assert outs["compiled"] == outs["plain"]

@@ -322,8 +322,9 @@ def test_speculative_loop_replays_with_one_copy_a_step_and_no_sync():
     dev = torch.device("cuda")
     k, iterations = 3, 4
     cfg, state, runtimes, plain = speculative_setup(dev, torch.bfloat16, 0, k, NOISE, strict=True)
-    for rt in runtimes:
-        rt.capture(decode_buckets=[4], mixed_buckets=[16, 64], quiet=True)
+    for i, rt in enumerate(runtimes):     # the verify runtime (second) with a verify bucket too
+        rt.capture(decode_buckets=[4], mixed_buckets=[16, 64], quiet=True,
+                   **(dict(verify_buckets=[4], drafts=k) if i == 1 else {}))
     rng, _ = rngs(fresh_seed())
     prompts = [rng.integers(0, 64, n) for n in (7, 12, 9)]
     blocks = [list(range(16 * r, 16 * r + 16)) for r in range(3)]
@@ -334,6 +335,7 @@ def test_speculative_loop_replays_with_one_copy_a_step_and_no_sync():
             outputs = run_speculative(runtimes, prompts, blocks, k, iterations, state)
         torch.cuda.synchronize()
     assert all(rt.last.mode == "replay" for rt in runtimes), [rt.last for rt in runtimes]
+    assert runtimes[1].last.bucket.kind == "verify", runtimes[1].last
     counted = count_transfers(prof, "graphrt_steps")
     steps = 2 + iterations * (k + 1)
     assert counted.h2d_pinned == steps and counted.h2d_pageable == 0 and counted.syncs == 0, counted

@@ -152,7 +152,7 @@ def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: l
         runtimes = speculative_runtimes(cfg, state, target, draft, device=device)
         if cuda:
             t_pre, t_ver, d_pre, d_dec = runtimes
-            t_ver.capture(decode_buckets=[], mixed_buckets=[batch * (k + 1)], quiet=True)
+            t_ver.capture(decode_buckets=[], mixed_buckets=[], verify_buckets=[batch], drafts=k, quiet=True)
             d_dec.capture(decode_buckets=[batch], mixed_buckets=[2 * batch], quiet=True)
         loop = SpeculativeLoop(state, *runtimes)
         loop.prefill(prompts, blocks, sampling=settings)
