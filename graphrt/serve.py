@@ -136,13 +136,15 @@ def serve(rt, requests: list[Request], *, chunk: int, free_blocks: list[int], ne
         if host_times is not None:
             host_times.append(time.perf_counter() - t0)
         n = step.num_seqs
+        step_logits = out[-2] if sampling is not None else out[-1] if isinstance(out, tuple) else out
+        logits = step_logits[:n].float()
+        if logits.data_ptr() == step_logits.data_ptr():
+            logits = logits.clone()                 # new tensors: the next replay cannot touch them
         if sampling is not None:
-            logits, drawn = out[-2][:n], out[-1][:n]
+            drawn = out[-1][:n].clone()
         else:
-            logits = (out[-1] if isinstance(out, tuple) else out)[:n]
-            drawn = logits.float().index_fill(1, banned, float("-inf")).argmax(-1)
-        logits = logits.float().clone()            # new tensors: the next replay cannot touch them
-        tokens = drawn.tolist() if read_back else drawn.clone()   # the loop's own read-back (or none)
+            drawn = (logits.index_fill(1, banned, float("-inf")) if banned.numel() else logits).argmax(-1)
+        tokens = drawn.tolist() if read_back else drawn   # the loop's own read-back (or none)
         steps += 1
         for i, (r, q_len) in enumerate(zip(owners, step.q_lens.tolist())):
             r.cached += q_len

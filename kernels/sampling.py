@@ -168,7 +168,7 @@ def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr
                         b_l = _load_row(p_row, o_v, end)
                         b_k = _keys(b_l)
                         m_c = ((b_k >> (shift + 4)) == (key >> (shift + 4))) & (b_k >= floor_key) & (o_v < end)
-                        b_d = (b_k >> shift) & 15
+                        b_d = ((b_k >> shift) & 15).to(tl.int32)      # 32-bit for the 16 compares below
                         # [BLOCK, 16]: one-hot digit of each candidate
                         m_hit = (b_d[:, None] == o_b[None, :]) & m_c[:, None]
                         if WEIGHTED:
