@@ -2,8 +2,8 @@
 # The GPU checks of a commit, in one go, for a machine with a CUDA device:
 #   bash benchmarks/h200_checks.sh OUT PART...
 # PART: tests | tests-transformers | demo-models | bench-model | sanitizer | sanitizer-each | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
-#       probe-ops | bench-host | bench-capture | bench-runtime | bench-step | bench-sampling | bench-speculative (SPEC_ARGS, e.g. "--batches 1,8 --drafts 3 --sampled") | probe-model-step |
-#       bench-kernels | sweep-fp8 | sweep-prefill | probe-prefill-tma | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime, ab-kernels (ROUNDS, default 1) and probe-step compare with the tree in $BASE
+#       probe-ops | ab-sampling | ab-host | bench-host | bench-capture | bench-runtime | bench-step | bench-sampling | bench-speculative (SPEC_ARGS, e.g. "--batches 1,8 --drafts 3 --sampled") | probe-model-step |
+#       bench-kernels | sweep-fp8 | sweep-prefill | probe-prefill-tma | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime, ab-kernels (ROUNDS, default 1), ab-sampling, ab-host (ROUNDS, default 2) and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options (probe-step), or probe_model_step.py's (probe-model-step, e.g. "--model llama-8b --batches 1,32 --compiled-only"); SWEEP_ARGS: sweep_prefill.py options, e.g. "--new-kv --sizes 4096 16384"); JOBS: pytest workers for tests (default 10); HF_SITE: a folder of carried
 #       packages put first on PYTHONPATH for the transformers parts (a newer transformers than the image's); MODEL_ARGS:
 #       graphrt.bench.model options, e.g. "--models llama-1b --prompts 512 --static-batches 1". Each part runs under its own
@@ -46,6 +46,9 @@ for part in "$@"; do
                   --rounds 2 --harness a --out /tmp/ab_runtime && cp /tmp/ab_runtime/ab_runtime.json "$out/" ;;
     ab-kernels) timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which kernels \
                   --rounds "${ROUNDS:-1}" --harness a --out /tmp/ab_kernels && cp /tmp/ab_kernels/ab_kernels.json "$out/" ;;
+    ab-sampling|ab-host) w=${part#ab-}; [ "$w" = host ] && for t in . "$base"; do (cd "$t" && python3 setup.py -q build_ext --inplace); done
+                timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which "$w" \
+                  --rounds "${ROUNDS:-2}" --harness a --out "/tmp/ab_$w" && cp "/tmp/ab_$w/ab_$w.json" "$out/" ;;
     probe-step) new=$(site new .); old=$(site old "$base")
                 timeout "$limit" bash -c "for r in 1 2; do for s in $new $old; do PYTHONPATH=\$s:\${PYTHONPATH:-} \
                   python3 benchmarks/probes/probe_step_gpu.py ${PROBE_ARGS:-} --label \$s | tail -n 1; done; done" ;;
