@@ -1,15 +1,20 @@
-"""Compile graphrt's sampling and speculative Triton kernels for an sm_90 GPU without one
-(Triton's own compiler and the ptxas its wheel carries): what the interpreter accepts and
-a GPU's compiler refuses (a constexpr reassigned in a loop, a loop-carried variable that
-changes type) fails here. Run with TRITON_INTERPRET unset; prints one line per kernel
-variant and exits 1 if any failed.
+"""Compile graphrt's Triton kernels for an sm_90 GPU without one (Triton's own compiler
+and the ptxas its wheel carries): what the interpreter accepts and a GPU's compiler
+refuses (a constexpr reassigned in a loop, a loop-carried variable that changes type)
+fails here. Run with TRITON_INTERPRET unset; prints one line per kernel variant and exits
+1 if any failed.
 
-    python tests/_compile_for_gpu.py
+    python tests/_compile_for_gpu.py                      # the sampling and speculative kernels
+    python tests/_compile_for_gpu.py --launches L.json    # the launches _record_launches.py kept
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import json
 import sys
+import time
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -71,16 +76,43 @@ def _variants():
                                     "HAS_IDS": "constexpr", "BLOCK": "constexpr"}, {"HAS_IDS": has_ids, "BLOCK": 16}
 
 
+def recorded(path: str):
+    """(kernel, signature, constexprs) of each launch in a file of recorded launches
+    (``_record_launches.py``): an int argument that was 1 a constant, as a launch
+    specialises it, unless the kernel says not to."""
+    import triton.language as tl
+
+    for e in json.load(open(path)):
+        fn = getattr(importlib.import_module(e["module"]), e["name"])
+        signature, constexprs = {}, {}
+        specialised = {p.name: not p.do_not_specialize for p in fn.params}
+        for name, (ty, one) in e["params"].items():
+            if one and specialised.get(name, True):
+                signature[name], constexprs[name] = "constexpr", 1
+            else:
+                signature[name] = ty
+        for name, value in e["constexprs"].items():
+            if isinstance(value, dict) and "dtype" in value:
+                value = getattr(tl, value["dtype"])
+            signature[name], constexprs[name] = "constexpr", value
+        yield fn, {p.name: signature[p.name] for p in fn.params}, constexprs
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--launches", help="a JSON of recorded launches (tests/_record_launches.py)")
+    args = parser.parse_args()
     target = GPUTarget("cuda", 90, 32)
     failed = 0
-    for fn, signature, constexprs in variants():
+    for fn, signature, constexprs in (recorded(args.launches) if args.launches else variants()):
+        t0 = time.perf_counter()
+        shown = {k: v for k, v in constexprs.items() if isinstance(v, bool) and v or k in ("BLOCK", "CP", "level", "G")}
         try:
             triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
-            print(f"ok   {fn.__name__} {constexprs}")
+            print(f"ok   {fn.__name__} {shown} ({time.perf_counter() - t0:.1f} s)", flush=True)
         except Exception as e:     # the compiler's own error, shown whole
             failed += 1
-            print(f"FAIL {fn.__name__} {constexprs}: {type(e).__name__}: {e}")
+            print(f"FAIL {fn.__name__} {constexprs}: {type(e).__name__}: {e}", flush=True)
     return 1 if failed else 0
 
 
