@@ -11,16 +11,17 @@ from graphrt import RuntimeConfig, SeqStep, Step
 def random_step(rng: np.random.Generator, cfg: RuntimeConfig, *, num_seqs: int, decode: bool,
                 max_tokens: int | None = None, max_ctx: int | None = None) -> Step:
     """``num_seqs`` sequences with random contexts, disjoint random blocks and random image
-    ranges; all decodes, or a mix whose tokens stay within ``max_tokens``."""
+    ranges; all decodes, or a mix whose tokens stay within ``max_tokens`` (its first
+    sequence brings two or more, so that a mix is never all decodes)."""
     max_tokens = max_tokens or cfg.max_num_tokens
     max_ctx = max_ctx or cfg.max_model_len - 64
     free = iter(rng.permutation(cfg.num_blocks).tolist())
     budget = max_tokens - num_seqs
     seqs = []
-    for _ in range(num_seqs):
+    for i in range(num_seqs):
         q = 1
-        if not decode and budget > 0 and rng.random() < 0.5:
-            q += int(rng.integers(0, min(budget, 64) + 1))
+        if not decode and budget > 0 and (i == 0 or rng.random() < 0.5):
+            q += int(rng.integers(1 if i == 0 else 0, min(budget, 64) + 1))
             budget -= q - 1
         ctx = int(rng.integers(0, max_ctx + 1))
         n_blocks = -(-(ctx + q) // cfg.block_size)
