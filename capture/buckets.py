@@ -55,7 +55,8 @@ def make_buckets(decode: list[int], mixed: list[int], max_num_seqs: int, max_num
     sequences of ``verify_q_len`` tokens each (>= 2; their tokens within max_num_tokens).
     ValueError for a size outside its range, checked before any bucket is made."""
     if verify:
-        if isinstance(verify_q_len, bool) or not isinstance(verify_q_len, int) or not 2 <= verify_q_len <= max_num_tokens:
+        q = verify_q_len
+        if isinstance(q, bool) or not isinstance(q, int) or not 2 <= q <= max_num_tokens:
             raise ValueError(f"verify_q_len (drafts + 1) must be an int in [2, {max_num_tokens}] with verify "
                              f"buckets, got {verify_q_len!r}")
     verify_limit = min(max_num_seqs, max_num_tokens // verify_q_len) if verify else 0

@@ -132,7 +132,8 @@ def run_demo(*, device: str, layers: int, requests: int, new_tokens: int, chunk:
     print(f"  logits vs float64-attention reference, worst error / max |logit|: {worst:.2e} "
           f"({'ok' if worst < tol else 'TOO LARGE'}, tolerance {tol:g})")
     for r in reqs:
-        print(f"  request {r.rid}: prompt {len(r.prompt)} tokens (image at {list(r.ranges[0])}), generated {r.generated}")
+        print(f"  request {r.rid}: prompt {len(r.prompt)} tokens (image at {list(r.ranges[0])}), "
+              f"generated {r.generated}")
     ok = worst < tol and (seen is None or (seen.h2d_pinned == steps and seen.h2d_pageable == 0 and seen.syncs == 0))
     ok = ok and (on_gpu or agreed == drawn)     # fp32 on both sides: the same draws (bf16 logits may tip a near tie)
     return 0 if ok else 1

@@ -111,10 +111,11 @@ def serve(rt, requests: list[Request], *, chunk: int, free_blocks: list[int], ne
     each step passes its sequences' settings and takes the ids the step drew itself: the
     step function then returns a tuple ending with (logits, drawn ids). Each request keeps
     the logits of every position it took a token at. ``on_step(step_no, step, owners, ids,
-    outputs)`` runs after each step (ids: the step's input token ids); ``host_times`` receives each ``rt.step`` call's host
-    seconds. ``read_back=False``: the tokens are not read on the host (no sync a step); each
-    request's token stays on the device as a 0-d tensor in ``generated``, so every request
-    must want one new token (a prefill, with its first token). Returns the number of steps."""
+    outputs)`` runs after each step (ids: the step's input token ids); ``host_times``
+    receives each ``rt.step`` call's host seconds. ``read_back=False``: the tokens are not
+    read on the host (no sync a step); each request's token stays on the device as a 0-d
+    tensor in ``generated``, so every request must want one new token (a prefill, with its
+    first token). Returns the number of steps."""
     if not read_back and any(r.new_tokens != 1 for r in requests):
         raise ValueError("serve(read_back=False) runs requests of new_tokens=1 only (a decode needs its last "
                          "token on the host)")
