@@ -118,7 +118,8 @@ def test_chunks_walked_together_or_apart_draw_the_same(device):
             continue
         keep, _ = reference.sampling_keep(logits[i].cpu(), t, k, p, mp)
         assert torch.equal(keep_all[i], keep), f"row {i} {rows[i]} (seed {seed})"
-        assert not keep[chunk: 3 * chunk].any(), f"row {i}: the low chunks hold a kept token"
+        if k or p < 1 or mp > 0:                 # a filter is on: the low chunks keep nothing
+            assert not keep[chunk: 3 * chunk].any(), f"row {i} {rows[i]}: the low chunks hold a kept token"
         if int(ids[i]) != int(ref[i]):
             assert draw_gap(logits[i].cpu(), keep, t, sd, c) < 1e-4, f"row {i} {rows[i]} (seed {seed})"
 
