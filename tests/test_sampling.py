@@ -45,6 +45,28 @@ def draw_gap(row: torch.Tensor, keep: torch.Tensor, t: float, seed: int, counter
     return float(g[0] - g[1]) if keep.sum() > 1 else math.inf
 
 
+def assert_draws(logits: torch.Tensor, args: dict, ids: torch.Tensor, lowest: torch.Tensor, rows: list[tuple],
+                 label: str) -> None:
+    """The kernel's draws ``ids`` and kept sets (``lowest``) for ``rows``' settings against
+    the float64 reference: greedy rows its first maximum; the others its kept set, its draw
+    (or a near tie of Gumbel scores), a token inside the set."""
+    ref = reference.sample(logits.cpu(), *(args[k].cpu() for k in ("temperature", "top_k", "top_p", "min_p",
+                                                                     "seed", "counter")))
+    got = kept(logits, lowest)
+    for i, (t, k, p, mp, sd, c) in enumerate(rows):
+        if t == 0:
+            assert int(ids[i]) == int(ref[i]), f"{label} row {i}: greedy"
+            continue
+        keep, _ = reference.sampling_keep(logits[i].cpu(), t, k, p, mp)
+        assert torch.equal(got[i], keep), (f"{label} row {i} {rows[i]}: kept {int(got[i].sum())} tokens, the "
+                                           f"reference {int(keep.sum())}; differ at "
+                                           f"{torch.nonzero(got[i] != keep).flatten()[:8].tolist()}")
+        if int(ids[i]) != int(ref[i]):
+            assert draw_gap(logits[i].cpu(), keep, t, sd, c) < 1e-4, \
+                f"{label} row {i} {rows[i]}: drew {int(ids[i])}, the reference {int(ref[i])}"
+        assert bool(keep[int(ids[i])]), f"{label} row {i}: drew {int(ids[i])} outside the kept set"
+
+
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
           pytest.param(torch.bfloat16, id="bf16")]
 
@@ -65,21 +87,10 @@ def test_sample_matches_reference(dtype, vocab, device):
     args = settings(rows, device)
     lowest = torch.empty(s, dtype=torch.float32, device=device)
     ids = sample(logits, **args, lowest=lowest)
-    ref = reference.sample(logits.cpu(), *(args[k].cpu() for k in ("temperature", "top_k", "top_p", "min_p",
-                                                                     "seed", "counter")))
-    got = kept(logits, lowest)
-    for i, (t, k, p, mp, sd, c) in enumerate(rows):
-        if t == 0:      # greedy: the first maximum (lowest is the maximum, which low-precision ties share)
-            assert int(ids[i]) == int(ref[i]) == int(torch.argmax(logits[i].float().cpu())), f"row {i} (seed {seed})"
-            continue
-        keep, _ = reference.sampling_keep(logits[i].cpu(), t, k, p, mp)
-        assert torch.equal(got[i], keep), (f"row {i} {rows[i]} (seed {seed}): kept {int(got[i].sum())} tokens, "
-                                           f"the reference {int(keep.sum())}; differ at "
-                                           f"{torch.nonzero(got[i] != keep).flatten()[:8].tolist()}")
-        if int(ids[i]) != int(ref[i]):
-            gap = draw_gap(logits[i].cpu(), keep, t, sd, c)
-            assert gap < 1e-4, f"row {i} {rows[i]} (seed {seed}): drew {int(ids[i])}, the reference {int(ref[i])}"
-        assert bool(keep[int(ids[i])]), f"row {i}: drew {int(ids[i])} outside the kept set"
+    assert_draws(logits, args, ids, lowest, rows, f"seed {seed}")
+    for i, row in enumerate(rows):      # greedy: the first maximum (lowest is the maximum, which ties share)
+        if row[0] == 0:
+            assert int(ids[i]) == int(torch.argmax(logits[i].float().cpu())), f"row {i} (seed {seed})"
 
 
 def test_chunks_walked_together_or_apart_draw_the_same(device):
@@ -109,19 +120,11 @@ def test_chunks_walked_together_or_apart_draw_the_same(device):
         assert torch.equal(got[group][0], got[1][0]), f"group {group} (seed {seed})"
         assert torch.equal(got[group][1], got[1][1]), f"group {group} (seed {seed})"
     ids, lowest = got[1]
-    ref = reference.sample(logits.cpu(), *(args[k].cpu() for k in ("temperature", "top_k", "top_p", "min_p",
-                                                                     "seed", "counter")))
+    assert_draws(logits, args, ids, lowest, rows, f"seed {seed}")
     keep_all = kept(logits, lowest)
-    for i, (t, k, p, mp, sd, c) in enumerate(rows):
-        if t == 0:
-            assert int(ids[i]) == int(ref[i]), f"row {i} (seed {seed})"
-            continue
-        keep, _ = reference.sampling_keep(logits[i].cpu(), t, k, p, mp)
-        assert torch.equal(keep_all[i], keep), f"row {i} {rows[i]} (seed {seed})"
-        if k or p < 1 or mp > 0:                 # a filter is on: the low chunks keep nothing
-            assert not keep[chunk: 3 * chunk].any(), f"row {i} {rows[i]}: the low chunks hold a kept token"
-        if int(ids[i]) != int(ref[i]):
-            assert draw_gap(logits[i].cpu(), keep, t, sd, c) < 1e-4, f"row {i} {rows[i]} (seed {seed})"
+    for i, (t, k, p, mp, _, _) in enumerate(rows):
+        if t > 0 and (k or p < 1 or mp > 0):    # a filter is on: the low chunks keep nothing
+            assert not keep_all[i, chunk: 3 * chunk].any(), f"row {i} {rows[i]}: the low chunks hold a kept token"
 
 
 @pytest.mark.parametrize("case", [
@@ -350,18 +353,8 @@ def test_sample_on_the_gpu_replayed():
         logits.copy_(torch.randn(s, v, generator=gen) * 3)
         graph.replay()
         eager = sample(logits, **args)
-        ref = reference.sample(logits.cpu(), *(args[k].cpu() for k in ("temperature", "top_k", "top_p", "min_p",
-                                                                         "seed", "counter")))
         assert torch.equal(out, eager), f"trial {trial} (seed {seed}): replay {out.tolist()}, eager {eager.tolist()}"
-        got = kept(logits, lowest)
-        for i, (t, k, p, mp, sd, c) in enumerate(rows):
-            if t == 0:
-                assert int(out[i]) == int(ref[i]), f"trial {trial} row {i} (seed {seed}): greedy"
-                continue
-            keep, _ = reference.sampling_keep(logits[i].cpu(), t, k, p, mp)
-            assert torch.equal(got[i], keep), f"trial {trial} row {i} {rows[i]} (seed {seed}): kept sets differ"
-            if int(out[i]) != int(ref[i]):
-                assert draw_gap(logits[i].cpu(), keep, t, sd, c) < 1e-4, f"trial {trial} row {i}: {rows[i]}"
+        assert_draws(logits, args, out, lowest, rows, f"trial {trial} (seed {seed})")
 
 
 # ---------------------------------------------------------------- in a step
