@@ -29,6 +29,9 @@ KERNEL_MODULES = ("graphrt.kernels._attention_jit", "graphrt.kernels._kv_write_j
 
 def _compile(*args: str) -> subprocess.CompletedProcess:
     pytest.importorskip("triton.backends.nvidia")
+    import torch
+    if torch.cuda.is_available():   # the gpu tests compile and run these kernels for real there
+        pytest.skip("a CUDA machine compiles the kernels in its gpu tests")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=1800, env=env)
 
