@@ -127,22 +127,32 @@ def progress(items, desc: str, quiet: bool = False):
     return tqdm(items, desc=desc, disable=quiet, leave=False, dynamic_ncols=True)
 
 
-def host_median_us(fn, reps: int, sync) -> float:
+def host_median_us(fn, reps: int, sync, waited=None) -> float:
     """Median host µs of one call of ``fn`` over ``reps`` calls after 20 warm-up calls;
     ``sync()`` (the GPU's synchronize, or nothing) every 50 calls keeps queued GPU work
-    from making the host wait inside ``fn``."""
+    from making the host wait inside ``fn``. ``waited()``, where given, is a running total
+    of seconds spent waiting for the GPU (a runtime's ring waits): what a call adds to it
+    is taken out of that call's time."""
     for _ in range(20):
         fn()
     sync()
     times = []
     for i in range(reps):
+        w0 = waited() if waited is not None else 0.0
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
+        t = time.perf_counter() - t0
+        times.append(t - (waited() - w0 if waited is not None else 0.0))
         if i % 50 == 49:
             sync()
     sync()
     return 1e6 * statistics.median(times)
+
+
+def summarize_rounds(row: dict, key: str, values: list[float]) -> None:
+    """``row[key]``: the median of per-round medians; ``row[key + "_rounds"]``: each round's."""
+    row[key] = statistics.median(values)
+    row[key + "_rounds"] = [round(v, 3) for v in values]
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> dict:

@@ -6,9 +6,12 @@ Pieces (decode steps of the toy model, context 1024): ``Step.from_arrays``,
 ``Step.validate``, ``GraphSet.pick`` + the replay guard, ``StepBuffers.pack``,
 ``StepBuffers.copy`` (the pinned copy and its event), the graph replay alone, a bare
 pinned ``copy_`` of the same bytes, and the whole ``rt.step`` with the Step built inside.
-Each figure is the median over 1000 calls (20 with ``--quick``) after a warm-up; the GPU
-is synchronised every 50 calls so that the ring of staging slots never makes the host wait. On CPU the
-graph pieces are absent and the copy is a host memcpy.
+Each round times every piece as the median over 1000 calls (20 with ``--quick``) after a
+warm-up, the pieces one after another; a figure is the median of five rounds' medians
+(two with ``--quick``), each round's kept beside it (``*_us_rounds``). The GPU is
+synchronised every 50 calls, and the whole step's waits for a free staging slot are taken
+out of its time, so that the figures are the host's own work. On CPU the graph pieces are
+absent and the copy is a host memcpy.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from pathlib import Path
 
 import torch
 
-from graphrt.bench.common import captured_decode, host_median_us, quick_out_main, write
+from graphrt.bench.common import captured_decode, host_median_us, quick_out_main, summarize_rounds, write
 
 
-def pieces(layers: int, batch: int, reps: int, quick: bool) -> dict:
+ROUNDS = 5
+
+
+def pieces(layers: int, batch: int, reps: int, quick: bool, rounds: int = ROUNDS) -> dict:
     from graphrt import Step
 
     cuda = torch.cuda.is_available()
@@ -30,9 +36,8 @@ def pieces(layers: int, batch: int, reps: int, quick: bool) -> dict:
     cfg = rt.cfg
     step = Step.from_arrays(**arrays)
     step.validate(cfg)
-    row = dict(bench="host", impl="graphrt", layers=layers, batch=batch, context=context)
-    row["from_arrays_us"] = host_median_us(lambda: Step.from_arrays(**arrays), reps, sync)
-    row["validate_us"] = host_median_us(lambda: step.validate(cfg), reps, sync)
+    row = dict(bench="host", impl="graphrt", layers=layers, batch=batch, context=context, rounds=rounds, reps=reps)
+    timed = {"from_arrays": lambda: Step.from_arrays(**arrays), "validate": lambda: step.validate(cfg)}
     layout = rt.buffers.layout(batch, batch)
     captured = None
     if rt.graphs is not None:
@@ -43,28 +48,37 @@ def pieces(layers: int, batch: int, reps: int, quick: bool) -> dict:
             rt.graphs.pick(step.num_seqs, step.num_tokens, step.is_decode)
             rt.graphs.check_guard()
 
-        row["pick_guard_us"] = host_median_us(pick_and_guard, reps, sync)
-    row["pack_us"] = host_median_us(lambda: rt.buffers.pack(step, layout, ids), reps, sync)
+        timed["pick_guard"] = pick_and_guard
+    timed["pack"] = lambda: rt.buffers.pack(step, layout, ids)
     nbytes = layout.copy_bytes(step.block_columns)
     row["copy_bytes"] = nbytes
-    row["copy_us"] = host_median_us(lambda: rt.buffers.copy(0, nbytes), reps, sync)
+    timed["copy"] = lambda: rt.buffers.copy(0, nbytes)
     staging, arena = rt.buffers.staging[0], rt.buffers.arena
-    row["bare_copy_us"] = host_median_us(lambda: arena[:nbytes].copy_(staging[:nbytes], non_blocking=True), reps,
-                                         sync)
+    timed["bare_copy"] = lambda: arena[:nbytes].copy_(staging[:nbytes], non_blocking=True)
     if captured is not None:
-        row["replay_us"] = host_median_us(lambda: rt.graphs.replay(captured), reps, sync)
-    row["step_us"] = host_median_us(lambda: rt.step(Step.from_arrays(**arrays), ids), reps, sync)
+        timed["replay"] = lambda: rt.graphs.replay(captured)
+    timed["step"] = lambda: rt.step(Step.from_arrays(**arrays), ids)
+    # rounds interleave the pieces, so a slow spell of the host shows in every piece's
+    # spread instead of in one piece's median; the whole step's ring waits are taken out
+    # (with 1000 replays queued between syncs it would otherwise time the GPU)
+    per_round = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, fn in timed.items():
+            waited = (lambda: rt.buffers.wait_seconds) if name == "step" else None
+            per_round[name].append(host_median_us(fn, reps, sync, waited))
+    for name, values in per_round.items():
+        summarize_rounds(row, f"{name}_us", values)
     return row
 
 
 def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
     small = quick or not torch.cuda.is_available()
     reps = 20 if small else 1000
-    cells = [(1, 1), (1, 4)] if small else [(1, 1), (8, 1), (32, 256)]
-    rows = [pieces(layers, batch, reps, small) for layers, batch in cells]
+    cells = [(1, 1), (1, 4)] if small else [(1, 1), (1, 256), (8, 1), (32, 256)]
+    rows = [pieces(layers, batch, reps, small, 2 if small else ROUNDS) for layers, batch in cells]
     for r in rows:
         print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
-                        if k not in ("bench", "impl")))
+                        if k not in ("bench", "impl") and not k.endswith("_rounds")))
     path = write(out, "host" if not small else "host_quick", rows)
     if not quiet:
         print(f"wrote {path}")

@@ -1,7 +1,9 @@
 """Host and wall time of a graphrt step (stage -> one pinned copy -> replay), and what NVTX adds.
 
 host_us: host time of rt.step minus any wait for a free staging slot (the host's own work
-per step; in a GPU-bound loop the ring makes the host wait, which is not its cost);
+per step; in a GPU-bound loop the ring makes the host wait, which is not its cost), the
+median of five rounds' medians of 200 steps each, each round's kept (host_us_rounds): the
+spread says how far one run's figure can be trusted;
 gpu_us: GPU time of the step alone (its graph replayed back to back, timed with events;
 CUDA only); wall_us: steady-state time per step over a run of steps, GPU included;
 host_idle_us: host time of one rt.step started on an idle GPU (synchronised before each,
@@ -23,7 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphrt.bench.common import decode_arrays, progress, quick_out_main, toy_runtime, write
+from graphrt.bench.common import decode_arrays, progress, quick_out_main, summarize_rounds, toy_runtime, write
+
+ROUNDS = 5
 
 
 def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
@@ -33,6 +37,7 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
     small = quick or not cuda
     layers_list, batches, context, steps = ([1, 2], [1, 4], 48, 3) if small else ([1, 8, 32], [1, 8, 64, 256], 1024,
                                                                                     200)
+    rounds = 2 if small else ROUNDS
     rows = []
     rt = None
     for layers in layers_list:
@@ -66,10 +71,11 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
             if cuda:
                 torch.cuda.synchronize()
             t_start = time.perf_counter()
-            host = host_us(steps)
+            host_rounds = [host_us(steps)]
             if cuda:
                 torch.cuda.synchronize()
             wall_us = 1e6 * (time.perf_counter() - t_start) / steps
+            host_rounds += [host_us(steps) for _ in range(rounds - 1)]
             host_idle_us = None
             if cuda:
                 idle = []
@@ -81,15 +87,18 @@ def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
                 host_idle_us = 1e6 * statistics.median(idle)
             nvtx_extra = _nvtx_extra_us(rt, host_us, pairs=3 if small else 10, n=3 if small else 20)
             gpu_us = _replay_us(rt, steps) if cuda and rt.last.mode == "replay" else None
-            rows.append(dict(bench="runtime", impl="graphrt_graph" if rt.last.mode == "replay" else "graphrt_eager",
-                             layers=layers, batch=batch, context=context, host_us=host, host_idle_us=host_idle_us,
-                             nvtx_extra_us=nvtx_extra, gpu_us=gpu_us, wall_us=wall_us,
-                             host_bound=None if gpu_us is None else host > gpu_us, h2d_bytes=rt.last.copy_bytes))
+            row = dict(bench="runtime", impl="graphrt_graph" if rt.last.mode == "replay" else "graphrt_eager",
+                       layers=layers, batch=batch, context=context, rounds=rounds)
+            summarize_rounds(row, "host_us", host_rounds)
+            row.update(host_idle_us=host_idle_us, nvtx_extra_us=nvtx_extra, gpu_us=gpu_us, wall_us=wall_us,
+                       host_bound=None if gpu_us is None else row["host_us"] > gpu_us, h2d_bytes=rt.last.copy_bytes)
+            rows.append(row)
     for r in rows:
         gpu = "      -" if r["gpu_us"] is None else f"{r['gpu_us']:7.1f}"
         idle = "" if r["host_idle_us"] is None else f" (idle GPU {r['host_idle_us']:6.1f})"
         nvtx = "" if r["nvtx_extra_us"] is None else f"  NVTX {r['nvtx_extra_us']:+.1f} us"
-        print(f"L={r['layers']:3d} batch={r['batch']:4d} {r['impl']}: host {r['host_us']:7.1f}{idle} us{nvtx}  "
+        spread = f" [{min(r['host_us_rounds']):.1f}-{max(r['host_us_rounds']):.1f}]"
+        print(f"L={r['layers']:3d} batch={r['batch']:4d} {r['impl']}: host {r['host_us']:7.1f}{spread}{idle} us{nvtx}  "
               f"gpu {gpu} us  wall {r['wall_us']:8.1f} us  copy {r['h2d_bytes']} B"
               f"{'  host-bound' if r['host_bound'] else ''}")
     path = write(out, "runtime" if not small else "runtime_quick", rows)
