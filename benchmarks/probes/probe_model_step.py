@@ -61,16 +61,24 @@ def main() -> None:
                 loop.decode(first, 4)
                 torch.cuda.synchronize()
             by_kind: dict[str, float] = {}
+            by_name = []
             count = 0
             for e in prof.key_averages():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
                     by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + e.self_device_time_total / 4
                     count += e.count
+                    by_name.append((e.self_device_time_total / 4, e.count / 4, e.key[:90]))
             kernel_us = sum(by_kind.values())
+            # each kernel name: µs a step, launches a step, µs a launch (the heaviest 30)
+            top = [[round(us, 1), n, round(us / max(n, 1e-9), 2), name]
+                   for us, n, name in sorted(by_name, reverse=True)[:30]]
             row = dict(model=args.model, batch=batch, compiled=compiled, wall_us=wall_us, kernel_us=kernel_us,
-                       kernels_per_step=count / 4, **{f"{k} us": v for k, v in sorted(by_kind.items())})
+                       kernels_per_step=count / 4, **{f"{k} us": v for k, v in sorted(by_kind.items())}, top=top)
             rows.append(row)
-            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items() if k != "top"}),
+                  flush=True)
+            for t in top:
+                print("   ", *t, flush=True)
             loop = None
             torch.cuda.empty_cache()
     if args.out:
