@@ -36,8 +36,13 @@ def main() -> None:
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--compiled-only", action="store_true")
+    parser.add_argument("--options", default=None,
+                        help='Inductor config overrides for the compiled loop, JSON, e.g. \'{"triton.enable_pdl": true}\'')
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    from graphrt.capture import CompileOptions
+
+    compile_on = CompileOptions(options=json.loads(args.options)) if args.options else True
     from torch.profiler import ProfilerActivity, profile
 
     from graphrt.bench.model import CONFIGS, GraphrtLoop, build, prompts
@@ -47,7 +52,7 @@ def main() -> None:
     for batch in [int(b) for b in args.batches.split(",")]:
         ids, pixels = prompts(hf, batch, 512, 0)
         for compiled in (True,) if args.compiled_only else (False, True):
-            loop = GraphrtLoop(hf, batch, 512, 16, torch.device("cuda"), chunk=4096, compile=compiled)
+            loop = GraphrtLoop(hf, batch, 512, 16, torch.device("cuda"), chunk=4096, compile=compile_on if compiled else False)
             features = None if pixels is None else [
                 loop.lm.image_features(pixels[i: i + 1].to("cuda", torch.bfloat16)) for i in range(batch)]
             first = loop.prefill(ids, features)
@@ -72,7 +77,7 @@ def main() -> None:
             # each kernel name: µs a step, launches a step, µs a launch (the heaviest 30)
             top = [[round(us, 1), n, round(us / max(n, 1e-9), 2), name]
                    for us, n, name in sorted(by_name, reverse=True)[:30]]
-            row = dict(model=args.model, batch=batch, compiled=compiled, wall_us=wall_us, kernel_us=kernel_us,
+            row = dict(model=args.model, batch=batch, compiled=compiled, options=args.options if compiled else None, wall_us=wall_us, kernel_us=kernel_us,
                        kernels_per_step=count / 4, **{f"{k} us": v for k, v in sorted(by_kind.items())}, top=top)
             rows.append(row)
             print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items() if k != "top"}),
@@ -83,7 +88,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"probe_model_step_{args.model}.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
+        (args.out / f"probe_model_step_{args.model}{'_options' if args.options else ''}.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
                                                                          rows=rows), indent=1))
 
 
