@@ -20,12 +20,15 @@ warm cache skips Inductor's code generation; dynamo still traces each bucket).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from graphrt.kernels._checks import pdl_launches
 
 from .buckets import KINDS, Bucket
 
@@ -55,6 +58,10 @@ class CompileOptions:
     small_linear: with Inductor, run the step's fp16/bf16 matmuls of at most 32 rows
                through graphrt's ``small_linear`` where it measured faster than cuBLAS, the
                ones that share an input in one launch (``graphrt.capture.linear_pass``).
+    pdl:       launch the compiled steps' kernels as programmatic dependents of the kernel
+               before them (sm_90+): Inductor's (``triton.enable_pdl``) and graphrt's own
+               (attention, KV write, small_linear), so that a kernel of a decode step is set
+               up while the one before drains. Off by default.
     kinds:     the bucket kinds compiled, of "decode", "verify" and "mixed" (default all);
                the others are captured from the uncompiled step. ("decode",) skips the prompt buckets'
                compiles, about 45 % of a Llama-3.2-1B's compile + capture on the H100
@@ -68,6 +75,7 @@ class CompileOptions:
     attention_calls: int | None = None
     small_linear: bool = True
     kinds: tuple = KINDS
+    pdl: bool = False
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or not self.backend:
@@ -83,6 +91,14 @@ class CompileOptions:
                              f"the step itself: use 'default' or 'max-autotune-no-cudagraphs'")
         if (self.options or {}).get("triton.cudagraphs"):
             raise ValueError("CompileOptions.options: triton.cudagraphs must stay off (graphrt captures the step)")
+        if not isinstance(self.pdl, bool):
+            raise TypeError(f"CompileOptions.pdl must be a bool, got {type(self.pdl).__name__}")
+        if self.pdl and self.backend == "inductor":
+            from torch._inductor import config as inductor_config
+
+            if not hasattr(inductor_config.triton, "enable_pdl"):
+                raise ValueError(f"CompileOptions.pdl needs Inductor's triton.enable_pdl, which torch "
+                                 f"{torch.__version__} lacks")
         if not isinstance(self.small_linear, bool):
             raise TypeError(f"CompileOptions.small_linear must be a bool, got {type(self.small_linear).__name__}")
         if self.small_linear and "post_grad_custom_pre_pass" in (self.options or {}):
@@ -162,6 +178,8 @@ class StepCompiler:
             patches = {**list_mode_options(self.options.mode or "default"), **(self.options.options or {}), **_FIXED}
             if self._linear_pass is not None:
                 patches["post_grad_custom_pre_pass"] = self._linear_pass
+            if self.options.pdl:
+                patches["triton.enable_pdl"] = True
             inner = compile_fx(gm, example_inputs, config_patches=patches)
         else:
             inner = torch._dynamo.lookup_backend(self.options.backend)(gm, example_inputs)
@@ -200,7 +218,8 @@ class StepCompiler:
             # code) on the same code objects: lift dynamo's limit on how many it keeps (8 by
             # default, past which it would run the step uncompiled) while graphrt compiles
             with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
-                                            accumulated_recompile_limit=_RECOMPILE_LIMIT):
+                                            accumulated_recompile_limit=_RECOMPILE_LIMIT), \
+                    pdl_launches(True) if self.options.pdl else contextlib.nullcontext():
                 return self._compiled(ctx)
         finally:
             self._recording = None

@@ -3,6 +3,8 @@ and what the device lets them launch."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
@@ -89,10 +91,28 @@ def check_kv_scales(fp8: bool, k_scale: object, v_scale: object, num_kv_heads: i
                              f"{tuple(s.shape)} {s.dtype} on {s.device}")
 
 
+_PDL_ON: contextvars.ContextVar[bool | None] = contextvars.ContextVar("graphrt_pdl", default=None)
+
+
+@contextlib.contextmanager
+def pdl_launches(on: bool):
+    """Inside the block, launchers not told otherwise use PDL where ``on`` (and supported),
+    whatever GRAPHRT_PDL says: what ``CompileOptions(pdl=...)`` wraps a compiled step in."""
+    if not isinstance(on, bool):
+        raise TypeError(f"pdl_launches(on) takes a bool, got {type(on).__name__}")
+    token = _PDL_ON.set(on)
+    try:
+        yield
+    finally:
+        _PDL_ON.reset(token)
+
+
 def pdl_supported(device: torch.device, wanted: bool | None = None) -> bool:
     """Whether to launch kernels on ``device`` as programmatic dependents: ``wanted`` (None:
-    the environment's GRAPHRT_PDL is "1"), on a CUDA device of compute capability 9.0 or
-    later, outside Triton's interpreter."""
+    as the enclosing ``pdl_launches`` says, else whether the environment's GRAPHRT_PDL is
+    "1"), on a CUDA device of compute capability 9.0 or later, outside Triton's interpreter."""
+    if wanted is None:
+        wanted = _PDL_ON.get()
     if wanted is None:
         wanted = os.environ.get("GRAPHRT_PDL") == "1"
     if not wanted or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_runnable, check_tensor
+from ._checks import check_runnable, check_tensor, pdl_supported
 
 MAX_ROWS = 64               # more rows than this are a GEMM for cuBLAS, not a weight stream
 MAX_WEIGHTS = 3
@@ -61,8 +61,11 @@ def _linear_tile(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 def _linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
                    M, N0, N1, N2, K, stride_xm, stride_w0, stride_w1, stride_w2, stride_y0, stride_y1, stride_y2,
                    NUM_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     # programs [0, nb0) stream w0, the next nb1 w1, the rest w2
+    if PDL:     # a programmatic dependent launch: wait for the kernel before (see _attn_kernel)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     nb0 = tl.cdiv(N0, BLOCK_N)
     nb1 = tl.cdiv(N1, BLOCK_N)
@@ -127,7 +130,8 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
     x:       [M, K], 1 <= M <= 64, contiguous rows (any row stride).
     weights: 1 to 3 tensors [N_i, K] of x's dtype (fp16 / bf16 / fp32), contiguous rows.
     biases:  None, or one [N_i] tensor per weight.
-    Returns new [M, N_i] tensors of x's dtype.
+    Returns new [M, N_i] tensors of x's dtype. The launch is a programmatic dependent one
+    (PDL) on sm_90+ where GRAPHRT_PDL=1 or inside ``_checks.pdl_launches(True)``.
     """
     check_tensor("x", x, dim=2)
     check_runnable(x.device)
@@ -158,6 +162,7 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
     if bm > 1 and cfg.block_n < 16:
         raise ValueError(f"config.block_n must be >= 16 for {m} rows (tl.dot), got {cfg.block_n}")
     outs = [x.new_empty(m, w.shape[0]) for w in weights]
+    pdl = pdl_supported(x.device)
     pad = 3 - len(weights)
     w3 = weights + [weights[0]] * pad
     b3 = (biases if biases is not None else weights[:1] * len(weights)) + [weights[0]] * pad
@@ -168,6 +173,6 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
         x, *w3, *b3, *y3, m, *n3, k, x.stride(0), *(w.stride(0) for w in w3), *(y.stride(0) for y in y3),
         NUM_W=len(weights), BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=biases is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",      # fp32 as torch's matmul: no tf32
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return outs

@@ -5,6 +5,7 @@ user's own torch.compile or the Runtime's compile option (per bucket, checked)."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,6 +190,38 @@ def test_compile_options_refused(kwargs, match):
     with pytest.raises(TypeError, match="small_linear must be a bool"):
         CompileOptions(small_linear=1)
     CompileOptions(small_linear=False, options={"post_grad_custom_pre_pass": None})    # their own pass: fine
+    with pytest.raises(TypeError, match="pdl must be a bool"):
+        CompileOptions(pdl=1)
+
+
+def test_pdl_launches_sets_the_switch_for_its_block_only(monkeypatch):
+    """``pdl_launches`` (what CompileOptions(pdl=True) wraps a compiled step in) decides for
+    launchers not told otherwise, above GRAPHRT_PDL, and only inside its block; CPU tensors
+    never launch with PDL."""
+    from graphrt.kernels import _checks
+
+    seen = []
+    monkeypatch.setattr(_checks, "_PDL", {0: True})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("GRAPHRT_PDL", "0")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)      # read at each call; kernels are loaded already
+    cuda = torch.device("cuda", 0)
+    seen.append(_checks.pdl_supported(cuda))
+    with _checks.pdl_launches(True):
+        seen.append(_checks.pdl_supported(cuda))
+        seen.append(_checks.pdl_supported(cuda, False))          # a launcher told otherwise
+        with _checks.pdl_launches(False):
+            seen.append(_checks.pdl_supported(cuda))
+        seen.append(_checks.pdl_supported(cuda))
+        seen.append(_checks.pdl_supported(torch.device("cpu")))
+    seen.append(_checks.pdl_supported(cuda))
+    monkeypatch.setenv("GRAPHRT_PDL", "1")
+    seen.append(_checks.pdl_supported(cuda))
+    assert seen == [False, True, False, False, True, False, False, True]
+    with pytest.raises(TypeError, match="takes a bool"):
+        with _checks.pdl_launches("yes"):
+            pass
 
 
 @pytest.mark.gpu
@@ -217,6 +250,34 @@ def test_compiled_decoder_runs_small_linear(small_linear):
     assert bool(linear) == small_linear, names
     record = loops[0].rt.compiler.records
     assert all(r.attention_ops == 2 for r in record.values()), [str(r) for r in record.values()]
+
+
+@pytest.mark.gpu
+def test_compiled_decoder_with_pdl_matches_without():
+    """``CompileOptions(pdl=True)``: the compiled bf16 Llama's kernels (Inductor's and
+    graphrt's) launch as programmatic dependents; its replayed steps give the same greedy
+    tokens and the same last logits as the compiled loop without it, bit for bit (the
+    kernels are the same but for the wait at their start)."""
+    from graphrt.bench.model import QUICK, GraphrtLoop, build, prompts
+    from graphrt.kernels._checks import pdl_supported
+
+    dev = torch.device("cuda")
+    if not pdl_supported(dev, True):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    hf = build("llama-tiny", QUICK["llama-tiny"], dev, torch.bfloat16)
+    ids, _ = prompts(hf, 4, 24, 0)
+    loops = [GraphrtLoop(hf, 4, 24, 8, dev, chunk=64, compile=CompileOptions(pdl=pdl)) for pdl in (True, False)]
+    firsts = [loop.prefill(ids, None) for loop in loops]
+    tokens = [loop.decode(first, 6) for loop, first in zip(loops, firsts)]
+    assert torch.equal(tokens[0], tokens[1]), f"pdl {tokens[0].tolist()} != without {tokens[1].tolist()}"
+    logits = []
+    for loop, t in zip(loops, tokens):           # one more decode step, its logits kept
+        step = Step.from_arrays(q_lens=np.ones(4, np.int64), context_lens=np.full(4, 24 + 6, np.int64),
+                                block_table=loop.table,
+                                prefix_ranges=np.tile(np.asarray(loop.ranges or [(0, 0)], np.int64)[None], (4, 1, 1)))
+        logits.append(loop.rt.step(step, t[:, -1])[:4].float())
+        assert loop.rt.last.mode == "replay", loop.rt.last.mode
+    assert torch.equal(logits[0], logits[1]), (logits[0] - logits[1]).abs().max().item()
 
 
 def test_compiled_steps_sample_and_place_speculative_tokens(device):

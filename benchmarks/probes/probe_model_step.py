@@ -38,11 +38,13 @@ def main() -> None:
     parser.add_argument("--compiled-only", action="store_true")
     parser.add_argument("--options", default=None,
                         help='Inductor config overrides for the compiled loop, JSON, e.g. \'{"triton.enable_pdl": true}\'')
+    parser.add_argument("--pdl", action="store_true", help="CompileOptions(pdl=True): every kernel a programmatic "
+                                                               "dependent launch")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from graphrt.capture import CompileOptions
 
-    compile_on = CompileOptions(options=json.loads(args.options)) if args.options else True
+    compile_on = CompileOptions(options=json.loads(args.options) if args.options else None, pdl=args.pdl)
     from torch.profiler import ProfilerActivity, profile
 
     from graphrt.bench.model import CONFIGS, GraphrtLoop, build, prompts
@@ -77,7 +79,7 @@ def main() -> None:
             # each kernel name: µs a step, launches a step, µs a launch (the heaviest 30)
             top = [[round(us, 1), n, round(us / max(n, 1e-9), 2), name]
                    for us, n, name in sorted(by_name, reverse=True)[:30]]
-            row = dict(model=args.model, batch=batch, compiled=compiled, options=args.options if compiled else None, wall_us=wall_us, kernel_us=kernel_us,
+            row = dict(model=args.model, batch=batch, compiled=compiled, options=args.options if compiled else None, pdl=args.pdl and compiled, wall_us=wall_us, kernel_us=kernel_us,
                        kernels_per_step=count / 4, **{f"{k} us": v for k, v in sorted(by_kind.items())}, top=top)
             rows.append(row)
             print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items() if k != "top"}),
@@ -88,7 +90,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"probe_model_step_{args.model}{'_options' if args.options else ''}.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
+        (args.out / f"probe_model_step_{args.model}{'_options' if args.options else ''}{'_pdl' if args.pdl else ''}.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
                                                                          rows=rows), indent=1))
 
 
