@@ -273,6 +273,7 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
         loop = GraphrtLoop(hf, batch, prompt, new_tokens, device, chunk=chunk, compile=compiled)
         row["compiled_capture_s"] = loop.capture_s              # compile + capture of the loop's two buckets
         row["compile_kinds"] = list(compiled.kinds)
+        row["compile_pdl"] = compiled.pdl
         row["compile_records"] = [str(r) for r in loop.rt.compiler.records.values()]
         if features is not None:
             features = [loop.lm.image_features(dev_pixels[i: i + 1]) for i in range(batch)]
@@ -302,10 +303,11 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
 def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: list[int] | None = None,
         prompt_lens: list[int] | None = None, new_tokens: int | None = None, hf_modes: list[str] | None = None,
         static_batches: list[int] | None = None, quiet: bool = False, compile: bool = True,
-        compile_kinds: tuple = ("decode", "mixed")) -> list[dict]:
+        compile_kinds: tuple = ("decode", "mixed"), pdl: bool = False) -> list[dict]:
     """Every (model, prompt, batch) cell; transformers' static-cache generate (a compile per
     cell) only at ``static_batches`` where given; ``compile_kinds``: the bucket kinds the
-    compiled loop compiles (``CompileOptions.kinds``)."""
+    compiled loop compiles (``CompileOptions.kinds``); ``pdl``: its kernels launched as
+    programmatic dependents (``CompileOptions.pdl``, CUDA only)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     small = quick or not cuda
@@ -325,8 +327,10 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
     from graphrt.capture import CompileOptions
 
     # Inductor on a GPU; on the CPU (the quick test) dynamo's trace without code generation
-    compiled = (CompileOptions(kinds=compile_kinds) if cuda else CompileOptions(backend="aot_eager", kinds=compile_kinds)
-                if compile else None)
+    compiled = None
+    if compile:
+        compiled = (CompileOptions(kinds=compile_kinds, pdl=pdl) if cuda
+                    else CompileOptions(backend="aot_eager", kinds=compile_kinds))
     rows = []
     for name in models:
         hf = build(name, specs[name], device, dtype)
@@ -413,13 +417,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip graphrt's compiled loop")
     parser.add_argument("--compile-kinds", default="decode,mixed",
                         help="bucket kinds the compiled loop compiles (decode: prompt buckets uncompiled)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="the compiled loop's kernels as programmatic dependent launches (CompileOptions.pdl)")
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")] if s else None
     run(quick=args.quick, out=args.out or default_out(), models=args.models.split(",") if args.models else None,
         batches=ints(args.batches), prompt_lens=ints(args.prompts), new_tokens=args.new_tokens,
         hf_modes=None if args.hf is None else [m for m in args.hf.split(",") if m and m != "none"],
         static_batches=ints(args.static_batches), compile=not args.no_compile,
-        compile_kinds=tuple(args.compile_kinds.split(",")))
+        compile_kinds=tuple(args.compile_kinds.split(",")), pdl=args.pdl)
 
 
 if __name__ == "__main__":
