@@ -27,11 +27,11 @@ MOE = ("qwen3-moe", "mixtral")
 
 
 def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk: int = 12, mask=None,
-                    alter=None, profile: bool = False, compile: CompileOptions | None = None):
+                    alter=None, profile: bool = False, compile: CompileOptions | None = None, keep: bool = False):
     """Worst |graphrt - transformers| / max |logit| over every sampled position (and, with
-    ``profile``, the step count and the profiler's transfer counts). ``compile``: the
-    runtime compiles each bucket (on the CPU too, where the steps then run the compiled
-    buckets)."""
+    ``profile``, the step count and the profiler's transfer counts; with ``keep``, the
+    requests and the transformers model too). ``compile``: the runtime compiles each bucket
+    (on the CPU too, where the steps then run the compiled buckets)."""
     rng = np.random.default_rng(seed)
     hf = tiny_model(kind, seed).to(device=device, dtype=dtype)
     if capture and dtype == torch.float16 and hasattr(hf, "set_experts_implementation") and kind in MOE:
@@ -70,6 +70,8 @@ def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk
     if capture or compile:
         assert set(modes) == {"replay" if device.type == "cuda" else "compiled"}, f"steps ran {modes}"
     worst = logit_error(hf, reqs, device)
+    if keep:
+        return worst, reqs, hf
     return (worst, steps, seen) if profile else worst
 
 
@@ -237,12 +239,52 @@ def test_prompt_positions():
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_family_matches_transformers_replayed(kind, dtype):
+    """The replayed runtime in bf16 / fp16 against transformers' forward in the same dtype
+    (worst logit error / max |logit| under 5e-2 / 1e-2), or, where the two low-precision
+    paths part by more, against an fp32 copy of the model: graphrt's error there at most 1.5x
+    transformers' own error in that dtype on the same positions. Two roundings of a MoE
+    router's near-tie send a token to different experts: mixtral bf16 once read 5.07e-2
+    against transformers' bf16 (H200, 33aaab9), which says which of the two is nearer the
+    fp32 model no better than the fp32 comparison does."""
     if refused_by_this_release(kind):
         return
     seed = fresh_seed()
-    worst = run_and_compare(kind, torch.device("cuda"), dtype, capture=True, seed=seed)
-    print(f"{kind} {dtype}: worst logit error / max |logit| = {worst:.2e}")
-    assert worst < (5e-2 if dtype == torch.bfloat16 else 1e-2), f"{kind}: off by {worst:.2e} (seed={seed})"
+    limit = 5e-2 if dtype == torch.bfloat16 else 1e-2
+    device = torch.device("cuda")
+    worst, reqs, hf = run_and_compare(kind, device, dtype, capture=True, seed=seed, keep=True)
+    fp32 = tiny_model(kind, seed).to(device=device, dtype=torch.float32)
+    ours = logit_error(fp32, reqs, device)
+    own = logit_error(fp32, own_logits(hf, reqs, device), device)
+    print(f"{kind} {dtype}: worst logit error / max |logit| against transformers' {dtype} {worst:.2e}; against "
+          f"fp32, graphrt {ours:.2e}, transformers' {dtype} {own:.2e}")
+    assert worst < limit or ours <= 1.5 * own, (
+        f"{kind}: off by {worst:.2e} from transformers' {dtype}, and {ours:.2e} from fp32 where transformers' "
+        f"{dtype} is {own:.2e} off (seed={seed})")
+
+
+def own_logits(hf, requests: list[Request], device) -> list[Request]:
+    """Copies of ``requests`` whose sampled logits are transformers' own forward (``hf``, in
+    its dtype, with its eager attention as ``logit_errors`` runs the reference) at the same
+    positions: for ``logit_error`` against another model."""
+    import copy
+
+    from graphrt.integrations.tiny import _configs, reference_logits
+
+    configs = _configs(hf.config)
+    before = [c._attn_implementation_internal for c in configs]
+    hf.set_attn_implementation("eager")
+    copies = []
+    try:
+        for req in requests:
+            c = copy.copy(req)
+            if req.logits:
+                theirs = reference_logits(hf, req, device)
+                c.logits = [(pos, theirs[pos]) for pos, _ in req.logits]
+            copies.append(c)
+    finally:
+        for c, impl in zip(configs, before):
+            c._attn_implementation_internal = impl
+    return copies
 
 
 @pytest.mark.gpu
