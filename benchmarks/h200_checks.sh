@@ -34,13 +34,17 @@ for part in "$@"; do
     sanitizer) timeout "$limit" python3 -m pytest -q -rP -p no:cacheprovider -n 3 tests/test_sanitizer.py ;;
     sanitizer-each) s=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)   # one at a time,
                 # each report kept: the descriptor path alone first, then the test file's three runs
+                # (each run's exit status is printed: 124 is a run cut by $LIMIT, which reports nothing)
                 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$limit" "$s" --tool memcheck python3 tests/_sanitize_workload.py read-new
+                echo "== memcheck read-new: rc=$?"
                 timeout "$limit" "$s" --tool racecheck python3 tests/_sanitize_workload.py read-new
+                echo "== racecheck read-new: rc=$?"
                 for k in memcheck-kernels memcheck-runtime racecheck-kernels-small; do
                   timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider \
-                    "tests/test_sanitizer.py::test_sanitizer_reports_no_errors[$k]"; done
+                    "tests/test_sanitizer.py::test_sanitizer_reports_no_errors[$k]"; echo "== $k: rc=$?"; done
                 # the runtime once more without the precompile workers (child processes)
-                GRAPHRT_PRECOMPILE=0 timeout "$limit" "$s" --tool memcheck python3 tests/_sanitize_workload.py runtime ;;
+                GRAPHRT_PRECOMPILE=0 timeout "$limit" "$s" --tool memcheck python3 tests/_sanitize_workload.py runtime
+                echo "== memcheck runtime, no precompile workers: rc=$?" ;;
     ab-runtime) for t in . "$base"; do (cd "$t" && python3 setup.py -q build_ext --inplace); done   # both with the C helper
                 timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which runtime \
                   --rounds 2 --harness a --out /tmp/ab_runtime && cp /tmp/ab_runtime/ab_runtime.json "$out/" ;;
