@@ -19,7 +19,8 @@ REQUIRED = {"step": {"impl", "layers", "batch", "host_us", "wall_us"},
                             "tokens_equal"},
             "model": {"model", "batch", "prompt", "graphrt_ms", "graphrt_compiled_ms", "compiled_capture_s",
                       "compiled_tokens_agree", "hf_eager_ms", "floor_ms", "first_token_ms",
-                      "tokens_agree"}}
+                      "tokens_agree", "compiled_eager_logit_diff", "eager_logit_error", "compiled_logit_error",
+                      "hf_logit_error"}}
 
 
 @pytest.mark.parametrize("name", sorted(REQUIRED))
@@ -35,6 +36,9 @@ def test_bench_quick(name, tmp_path):
         assert row["bench"] in benches and REQUIRED[name] <= set(row), row
     if name == "model" and not torch.cuda.is_available():    # fp32, wide weights: the compiled loop's tokens
         assert all(r["compiled_tokens_agree"] == r["new_tokens"] for r in data["rows"]), data["rows"]   # are eager's
+        # and so are its logits; both are transformers' fp32 forward's to rounding
+        assert all(r["compiled_eager_logit_diff"] < 1e-5 and max(r["eager_logit_error"], r["compiled_logit_error"])
+                   < 1e-5 for r in data["rows"]), data["rows"]
     if name == "sampling":      # every cell timed both ways
         assert {r["impl"] for r in data["rows"]} == {"graphrt", "torch_eager"} and all(r["ms"] > 0 for r in data["rows"])
     if name == "speculative":   # the exact draft accepts every draft, the independent one (nearly) none; the

@@ -18,12 +18,20 @@ once, each sequence's KV) over the device-to-device copy bandwidth measured in t
 run (``graphrt.bench.kernels.ceilings``). ``attention_share``: the share of a replayed decode step's kernel time spent in
 graphrt's attention and KV-write kernels. ``tokens_agree``: of the first 8 greedy tokens,
 how many graphrt and transformers' eager generate share, from the first on (mean over the
-batch; random weights make near ties, so a late divergence is expected in bf16).
+batch; random weights make near ties, so a late divergence is expected in bf16). The
+logits judge exactness where tokens cannot: of the first decode step after the prompts
+(the eager loop's first ids fed to both loops), ``compiled_eager_logit_diff`` is the worst
+|compiled - eager| / max |eager| over the batch, and ``eager_logit_error`` /
+``compiled_logit_error`` / ``hf_logit_error`` the first sequence's worst error / max |logit|
+against transformers' forward of an fp32 copy of the model, for graphrt's eager and compiled
+steps and for transformers' own forward in the bench's dtype (``--no-logits`` skips the
+fp32 copy).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import math
 import time
@@ -169,6 +177,17 @@ class GraphrtLoop:
         serve(self.rt, reqs, chunk=self.chunk, free_blocks=[], read_back=False)
         return torch.stack([r.generated[0] for r in reqs])
 
+    def step_logits(self, first: torch.Tensor) -> torch.Tensor:
+        """The first decode step's logits [batch, vocab] (float) from ``first`` (the ids after
+        the prompts, on the device), as ``decode`` makes it."""
+        from graphrt import Step
+
+        ranges = np.tile(np.asarray(self.ranges or [(0, 0)], np.int64)[None], (self.batch, 1, 1))
+        step = Step.from_arrays(q_lens=np.ones(self.batch, np.int64), context_lens=np.full(self.batch, self.prompt,
+                                                                                           np.int64),
+                                block_table=self.table, prefix_ranges=ranges)
+        return self.rt.step(step, first)[: self.batch].float()
+
     def decode(self, first: torch.Tensor, steps: int) -> torch.Tensor:
         """``steps`` greedy decodes of the whole batch from ``first`` ([batch] ids on the
         device); returns the tokens [batch, steps + 1] (first included). No host sync."""
@@ -229,6 +248,23 @@ def timed(fn, device) -> tuple[float, object]:
     return 1e3 * (time.perf_counter() - t0), out
 
 
+def last_logits(model, ids: torch.Tensor, first: torch.Tensor, pixels: torch.Tensor | None) -> torch.Tensor:
+    """transformers' own forward over one prompt ([length] ids) and its first generated id:
+    the last position's logits [vocab], float."""
+    seq = torch.cat([ids.to(first.device), first.view(1)]).view(1, -1)
+    kwargs = {}
+    if pixels is not None:
+        kwargs = dict(pixel_values=pixels.to(device=first.device, dtype=model.dtype),
+                      token_type_ids=(seq == model.config.image_token_id).long())
+    with torch.no_grad():
+        return model(input_ids=seq, **kwargs).logits[0, -1].float()
+
+
+def logit_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Worst |got - want| / max |want|."""
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
 def attention_share(loop: GraphrtLoop, first: torch.Tensor) -> float | None:
     """Share of one replayed decode step's kernel time in graphrt's attention/KV kernels."""
     if loop.device.type != "cuda":
@@ -249,8 +285,12 @@ def attention_share(loop: GraphrtLoop, first: torch.Tensor) -> float | None:
     return attn / total if total else None
 
 
-def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, seed, compiled=None) -> dict:
-    """One (model, batch, prompt) row: graphrt first, then each transformers mode."""
+def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, seed, compiled=None,
+             reference=None) -> dict:
+    """One (model, batch, prompt) row: graphrt first, then each transformers mode.
+    ``reference``: a callable making an fp32 copy of ``hf`` (freed after use), against which
+    the first decode step's logits of the first sequence are judged (graphrt eager, compiled, and
+    transformers' own forward in the bench's dtype)."""
     ids, pixels = prompts(hf, batch, prompt, seed)
     dev_ids = ids.to(device)
     dev_pixels = None if pixels is None else pixels.to(device=device, dtype=hf.dtype)
@@ -267,6 +307,7 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
     row["capture_s"] = loop.capture_s
     row["attention_share"] = attention_share(loop, first)
     graphrt_tokens = tokens[:, :COMPARE_TOKENS].cpu()
+    eager_first, eager_logits = first, loop.step_logits(first)
     loop = None                                                   # its caches and graphs go before the next loop
     gc.collect()
     if compiled:      # the same loop with each bucket's step compiled (Runtime(compile=compiled))
@@ -285,8 +326,23 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
         row["compiled_attention_share"] = attention_share(loop, first)
         same = (tokens[:, :COMPARE_TOKENS].cpu() == graphrt_tokens).int().cumprod(1).sum(1).float()
         row["compiled_tokens_agree"] = float(same.mean())      # with the eager graphrt loop's
+        compiled_logits = loop.step_logits(eager_first)          # the eager loop's inputs, the compiled step
+        row["compiled_eager_logit_diff"] = logit_error(compiled_logits, eager_logits)
         loop = None
         gc.collect()
+    if reference is not None:
+        # the first sequence's first decode step against transformers' fp32 forward
+        pixels0 = None if dev_pixels is None else dev_pixels[:1]
+        fp32 = reference()                                        # made for this comparison, freed after it
+        want = last_logits(fp32, ids[0], eager_first[0], pixels0)
+        del fp32
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        row["eager_logit_error"] = logit_error(eager_logits[0], want)
+        if compiled:
+            row["compiled_logit_error"] = logit_error(compiled_logits[0], want)
+        row["hf_logit_error"] = logit_error(last_logits(hf, ids[0], eager_first[0], pixels0), want)
     for mode in hf_modes:
         static = mode == "static"
         hf_generate(hf, dev_ids, dev_pixels, new_tokens, static)       # warm-up (compiles, with a static cache)
@@ -303,11 +359,13 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
 def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: list[int] | None = None,
         prompt_lens: list[int] | None = None, new_tokens: int | None = None, hf_modes: list[str] | None = None,
         static_batches: list[int] | None = None, quiet: bool = False, compile: bool = True,
-        compile_kinds: tuple = ("decode", "mixed"), pdl: bool = False) -> list[dict]:
+        compile_kinds: tuple = ("decode", "mixed"), pdl: bool = False, logits: bool = True) -> list[dict]:
     """Every (model, prompt, batch) cell; transformers' static-cache generate (a compile per
     cell) only at ``static_batches`` where given; ``compile_kinds``: the bucket kinds the
     compiled loop compiles (``CompileOptions.kinds``); ``pdl``: its kernels launched as
-    programmatic dependents (``CompileOptions.pdl``, CUDA only)."""
+    programmatic dependents (``CompileOptions.pdl``, CUDA only); ``logits``: judge the first
+    decode step's logits against an fp32 copy of the model, made per cell after graphrt's loops
+    are freed."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     small = quick or not cuda
@@ -339,7 +397,8 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
                 try:
                     modes = [m for m in hf_modes if m != "static" or static_batches is None or batch in static_batches]
                     row = run_cell(name, hf, batch, prompt, new_tokens, device, chunk=64 if small else 4096,
-                                   hf_modes=modes, seed=batch * 7 + prompt, compiled=compiled)
+                                   hf_modes=modes, seed=batch * 7 + prompt, compiled=compiled,
+                                   reference=(lambda: copy.deepcopy(hf).float()) if logits else None)
                 except torch.OutOfMemoryError as exc:
                     row = dict(bench="model", model=name, batch=batch, prompt=prompt, new_tokens=new_tokens,
                                skipped=f"out of memory: {str(exc)[:120]}")
@@ -379,7 +438,9 @@ def _line(r: dict) -> str:
     share = r.get("attention_share")
     return (f"{r['model']:>10} b={r['batch']:<4d} p={r['prompt']:<5d} graphrt {r['graphrt_ms']:.3f} ms/token "
             f"(floor {r['floor_ms']:.3f}, x{r['of_floor']:.2f}) first {r['first_token_ms']:.1f} ms; {hf}; "
-            f"attention {'-' if share is None else f'{share:.2f}'}; agree {r.get('tokens_agree', '-')}")
+            f"attention {'-' if share is None else f'{share:.2f}'}; agree {r.get('tokens_agree', '-')}"
+            + "".join(f"; {k} {r[k]:.2e}" for k in ("compiled_eager_logit_diff", "eager_logit_error",
+                                                   "compiled_logit_error", "hf_logit_error") if k in r))
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -417,6 +478,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip graphrt's compiled loop")
     parser.add_argument("--compile-kinds", default="decode,mixed",
                         help="bucket kinds the compiled loop compiles (decode: prompt buckets uncompiled)")
+    parser.add_argument("--no-logits", action="store_true",
+                        help="skip the logits' comparison with an fp32 copy of each model (memory: 4 bytes a weight)")
     parser.add_argument("--pdl", action="store_true",
                         help="the compiled loop's kernels as programmatic dependent launches (CompileOptions.pdl)")
     args = parser.parse_args(argv)
@@ -425,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         batches=ints(args.batches), prompt_lens=ints(args.prompts), new_tokens=args.new_tokens,
         hf_modes=None if args.hf is None else [m for m in args.hf.split(",") if m and m != "none"],
         static_batches=ints(args.static_batches), compile=not args.no_compile,
-        compile_kinds=tuple(args.compile_kinds.split(",")), pdl=args.pdl)
+        compile_kinds=tuple(args.compile_kinds.split(",")), pdl=args.pdl, logits=not args.no_logits)
 
 
 if __name__ == "__main__":
