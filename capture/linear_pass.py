@@ -83,6 +83,12 @@ def _mutates(node: torch.fx.Node) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
+def _constant(w: torch.fx.Node) -> bool:
+    """Whether weight ``w`` is an input of the graph (a parameter) that no node of it
+    writes: what no kernel of the step changes, so a launch may read it early."""
+    return w.op in ("placeholder", "get_attr") and not any(_mutates(u) for u in w.users)
+
+
 def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",)) -> int:
     """Rewrite ``graph`` in place (see the module's docstring); returns how many matmuls
     went to small_linear."""
@@ -118,7 +124,8 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
                 continue                      # one narrow weight over several rows: cuBLAS is faster
             with graph.inserting_before(first[0]):
                 call = graph.call_function(torch.ops.graphrt.small_linear.default,
-                                           (x, [m[2] for m in group], [m[3] for m in group]))
+                                           (x, [m[2] for m in group], [m[3] for m in group],
+                                            all(_constant(m[2]) for m in group)))
                 call.meta["val"] = [_val(m[0]) for m in group]
                 for i, (mm, *_rest) in enumerate(group):
                     item = graph.call_function(operator.getitem, (call, i))

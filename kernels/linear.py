@@ -25,7 +25,7 @@ MAX_WEIGHTS = 3
 @triton.jit
 def _linear_tile(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, i_n,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_m = tl.arange(0, BLOCK_M)
@@ -36,12 +36,27 @@ def _linear_tile(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first tile of columns apart from the loop: a programmatic dependent launch with
+    # constant weights (PREFETCH) loads its weight tile before it waits for the kernel
+    # before it, which wrote x (the weights no kernel of the step writes)
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    if PREFETCH:
+        b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)     # [BLOCK_N, BLOCK_K]
+    if PDL:     # a programmatic dependent launch: wait for the kernel before (see _attn_kernel)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if not PREFETCH:
+        b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+    b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)        # [BLOCK_M, BLOCK_K]
+    if BLOCK_M == 1:
+        acc += b_w.to(tl.float32) * b_x.to(tl.float32)
+    else:
+        acc = tl.dot(b_x, tl.trans(b_w), acc, input_precision=DOT_PRECISION)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < K
-        # [BLOCK_N, BLOCK_K]
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        # [BLOCK_M, BLOCK_K]
         b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
         if BLOCK_M == 1:
             acc += b_w.to(tl.float32) * b_x.to(tl.float32)
@@ -61,23 +76,20 @@ def _linear_tile(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 def _linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
                    M, N0, N1, N2, K, stride_xm, stride_w0, stride_w1, stride_w2, stride_y0, stride_y1, stride_y2,
                    NUM_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # programs [0, nb0) stream w0, the next nb1 w1, the rest w2
-    if PDL:     # a programmatic dependent launch: wait for the kernel before (see _attn_kernel)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     nb0 = tl.cdiv(N0, BLOCK_N)
     nb1 = tl.cdiv(N1, BLOCK_N)
     if i < nb0:
         _linear_tile(x_ptr, w0_ptr, b0_ptr, y0_ptr, M, N0, K, stride_xm, stride_w0, stride_y0, i,
-                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION)
+                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH)
     elif NUM_W == 2 or (NUM_W == 3 and i < nb0 + nb1):
         _linear_tile(x_ptr, w1_ptr, b1_ptr, y1_ptr, M, N1, K, stride_xm, stride_w1, stride_y1, i - nb0,
-                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION)
+                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH)
     elif NUM_W == 3:
         _linear_tile(x_ptr, w2_ptr, b2_ptr, y2_ptr, M, N2, K, stride_xm, stride_w2, stride_y2, i - nb0 - nb1,
-                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION)
+                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH)
 
 
 @dataclass(frozen=True)
@@ -124,15 +136,20 @@ def default_linear_config(m: int, n: int, k: int, itemsize: int = 2) -> LinearCo
 
 def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tensor, ...],
                  biases: list[torch.Tensor] | tuple[torch.Tensor, ...] | None = None, *,
-                 config: LinearConfig | None = None) -> list[torch.Tensor]:
+                 config: LinearConfig | None = None, constant_weights: bool = False) -> list[torch.Tensor]:
     """``[x @ w.T (+ b) for w, b in zip(weights, biases)]`` in one launch.
 
     x:       [M, K], 1 <= M <= 64, contiguous rows (any row stride).
     weights: 1 to 3 tensors [N_i, K] of x's dtype (fp16 / bf16 / fp32), contiguous rows.
     biases:  None, or one [N_i] tensor per weight.
+    constant_weights: no kernel launched before this one in the stream writes the weights
+               (a model's parameters): a programmatic dependent launch then loads its first
+               weight tile before it waits for the kernel before it.
     Returns new [M, N_i] tensors of x's dtype. The launch is a programmatic dependent one
     (PDL) on sm_90+ where GRAPHRT_PDL=1 or inside ``_checks.pdl_launches(True)``.
     """
+    if not isinstance(constant_weights, bool):
+        raise TypeError(f"constant_weights must be a bool, got {type(constant_weights).__name__}")
     check_tensor("x", x, dim=2)
     check_runnable(x.device)
     weights = list(weights)
@@ -173,6 +190,6 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
         x, *w3, *b3, *y3, m, *n3, k, x.stride(0), *(w.stride(0) for w in w3), *(y.stride(0) for y in y3),
         NUM_W=len(weights), BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=biases is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",      # fp32 as torch's matmul: no tf32
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        PDL=pdl, PREFETCH=pdl and constant_weights, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return outs

@@ -32,7 +32,8 @@ def ptr(t: str) -> str:
 def variants():
     """(kernel, signature, constexprs): every variant the sampling and speculative launchers
     make, with bf16 logits (the chunked passes with G, the chunks a program walks, also at 1,
-    which a launch specialises), and small_linear's programmatic dependent launches."""
+    which a launch specialises), and small_linear's programmatic dependent launches (its
+    first weight tile loaded before the wait, or after)."""
     for fn, signature, constexprs in _variants():
         yield fn, signature, constexprs
         if "G" in signature:
@@ -73,10 +74,12 @@ def _variants():
     lin.update({name: "i32" for name in ("M", "N0", "N1", "N2", "K", "stride_xm", "stride_w0", "stride_w1",
                                           "stride_w2", "stride_y0", "stride_y1", "stride_y2")})
     lin.update({name: "constexpr" for name in ("NUM_W", "BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_BIAS",
-                                               "DOT_PRECISION", "PDL")})
+                                               "DOT_PRECISION", "PDL", "PREFETCH")})
     for block_m, block_n, block_k in ((1, 4, 1024), (16, 32, 256)):
-        yield klin._linear_kernel, lin, {"NUM_W": 3, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                                         "HAS_BIAS": False, "DOT_PRECISION": "tf32", "PDL": True}
+        for prefetch in (False, True):
+            yield klin._linear_kernel, lin, {"NUM_W": 3, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                                             "HAS_BIAS": False, "DOT_PRECISION": "tf32", "PDL": True,
+                                             "PREFETCH": prefetch}
     for has_ids in (False, True):
         yield kspec._place_kernel, {"request_ptr": ptr("i32"), "offset_ptr": ptr("i32"), "length_ptr": ptr("i32"),
                                     "num_requests": "i32", "qsl_ptr": ptr("i32"), "seq_lens_ptr": ptr("i32"),

@@ -119,6 +119,7 @@ def test_linear_pass_groups_shared_inputs(rows, device):
     gm.recompile()
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.graphrt.small_linear.default]
     mms = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    assert all(c.args[3] is True for c in calls), [c.args for c in calls]   # the weights: inputs none writes
     if rows == 1:
         assert (replaced, [len(c.args[1]) for c in calls], len(mms)) == (8, [3, 1, 2, 1, 1], 0)
     elif rows <= 32:
@@ -153,3 +154,39 @@ def test_linear_pass_never_groups_across_a_write(device):
     assert [len(c.args[1]) for c in calls] == [1, 1]
     for name, got, w in zip(("a", "b"), gm(*[v.clone() for v in vals]), want):
         assert_close(name, got, w.double(), 1e-2, 1e-2, seed)
+
+
+def test_linear_pass_marks_only_unwritten_input_weights_constant(device):
+    """The rewritten call says its weights are constant (a programmatic dependent launch may
+    load them before the kernel before it finishes) only where each is a graph input that no
+    node writes: not a weight the graph writes in place, not one it computes."""
+    from graphrt.capture.linear_pass import group_small_linears
+
+    aten = torch.ops.aten
+    seed = fresh_seed()
+    _, gen = rngs(seed)
+    vals = [torch.randn(*s, generator=gen).to(device, torch.float16)
+            for s in ((1, 32), (1, 32), (1, 32), (24, 32), (24, 32))]
+    g = torch.fx.Graph()
+    x1, x2, x3, w1, w2 = (g.placeholder(n) for n in ("x1", "x2", "x3", "w1", "w2"))
+    for node, v in zip((x1, x2, x3, w1, w2), vals):
+        node.meta["val"] = v
+    g.call_function(aten.mul_.Tensor, (w2, 2))                  # the graph writes w2
+    w3 = g.call_function(aten.mul.Tensor, (w1, 3))              # and computes w3
+    w3.meta["val"] = vals[3] * 3
+    outs = [g.call_function(aten.mm.default, (x, g.call_function(aten.t.default, (w,))))
+            for x, w in ((x1, w1), (x2, w2), (x3, w3))]
+    g.output(tuple(outs))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    want = gm(*[v.clone() for v in vals])
+    assert group_small_linears(gm.graph, devices=(device.type,)) == 3
+    gm.recompile()
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.graphrt.small_linear.default]
+    assert [c.args[3] for c in calls] == [True, False, False]
+    for name, got, w in zip(("w1", "w2", "w3"), gm(*[v.clone() for v in vals]), want):
+        assert_close(name, got, w.double(), 1e-2, 1e-2, seed)
+    with pytest.raises(TypeError, match="constant_weights must be a bool"):
+        from graphrt.kernels.linear import small_linear
+
+        small_linear(vals[0], [vals[3]], constant_weights=1)
+
