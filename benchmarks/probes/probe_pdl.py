@@ -10,8 +10,9 @@ attention -> o -> norm -> gate/up -> SiLU*mul (one program) -> down. Every layer
 weights (121 MB a layer: the step misses L2). Variants: ``plain``; ``pdl`` (every kernel
 launched with PDL, waiting at its start and letting its dependents launch at once);
 ``pdl_prefetch`` (as pdl, but each matrix-vector program loads its first weight tile before
-it waits). Also the matrix-vector kernels alone (no small kernels between) and the copy
-ceiling, same run. Standalone kernels, not graphrt's: a probe of the mechanism.
+it waits). Also the matrix-vector kernels alone (no small kernels between), and the floor:
+the weight bytes at probe_linear's copy rate (bytes read and written by a 1 GB copy), same
+run. Standalone kernels, not graphrt's: a probe of the mechanism.
 
     python3 benchmarks/probes/probe_pdl.py [--layers 16] [--out DIR]
 """
@@ -25,6 +26,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+
+from probe_linear import copy_ceiling_gbs, graph_us    # (this directory is on sys.path when run as a script)
 
 
 @triton.jit
@@ -79,27 +82,6 @@ def small(x, y, n_in, n_out, gdc):
                  launch_pdl=gdc)
 
 
-def graph_us(fn, reps: int = 30) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=16)
@@ -128,10 +110,7 @@ def main() -> None:
                 small(buf["gu"], buf["m"], 2 * inter, inter, gdc)
             gemv(buf["m"], layer["down"], buf["d"], gdc, prefetch)
 
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() / graph_us(lambda: dst.copy_(src)) / 1e3
-    del src, dst
+    copy_gbs = copy_ceiling_gbs()
     floor_us = nbytes / copy_gbs / 1e3
     res = dict(gpu=torch.cuda.get_device_name(), layers=args.layers, mbytes=nbytes / 1e6, copy_gbs=copy_gbs,
                floor_us=floor_us, torch=torch.__version__, triton=triton.__version__)
@@ -140,7 +119,7 @@ def main() -> None:
                                         ("pdl_prefetch", True, True, True), ("gemv_only_plain", False, False, False),
                                         ("gemv_only_pdl_prefetch", True, True, False)]:
         try:
-            us = graph_us(lambda: step(gdc, prefetch, smalls))
+            us = graph_us([lambda: step(gdc, prefetch, smalls)], reps=30)
             step(gdc, prefetch, smalls)
             torch.cuda.synchronize()
             out = buf["d"].float().clone()
