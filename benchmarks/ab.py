@@ -8,6 +8,8 @@ installed package maps them), then the benchmark runs A, B, A, B, ... each in a 
 process, so neither tree always runs first (on a machine just started, or while its clocks
 settle). Writes every run's JSON under ``--out/<label>_<round>/`` and ``ab_<which>.json``:
 per cell, the median over rounds of each numeric figure for A and B and their ratio A / B.
+Without a GPU, ``--which host`` compares the host pieces of a step (``graphrt bench host``'s
+CPU cells: batch 1, 64 and 256).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         harness = args.a.resolve() if args.harness == "a" else None
         sites = {label: importable(tree.resolve(), Path(tmp) / label, harness)
                  for label, tree in zip(labels, (args.a, args.b))}
+        for label, site in sites.items():
+            _check_own_modules(label, site, tmp)
         for r in range(args.rounds):
             for label in labels:
                 out = args.out / f"{label}_{r}"
@@ -72,8 +76,10 @@ def main(argv: list[str] | None = None) -> None:
                 cmd += ["--quick"] if args.quick else []
                 print(f"== round {r} {label}: {' '.join(cmd[1:])}", flush=True)
                 subprocess.run(cmd, env=env, check=True, cwd=tmp)
-                name = f"{args.which}_quick.json" if args.quick or not _cuda() else f"{args.which}.json"
-                runs[label].append(json.loads((out / name).read_text())["rows"])
+                full = out / f"{args.which}.json"      # (a bench that runs its quick cells without a GPU
+                quick = out / f"{args.which}_quick.json"  # writes the quick file)
+                path = quick if args.quick or not full.exists() else full
+                runs[label].append(json.loads(path.read_text())["rows"])
     a, b = labels
     rows = []
     for key in [cell(row) for row in runs[a][0]]:
@@ -98,10 +104,19 @@ def main(argv: list[str] | None = None) -> None:
         print(" ".join(f"{k}={v}" for k, v in row.items() if k in KEYS), "|", ratios)
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+def _check_own_modules(label: str, site: Path, cwd: str) -> None:
+    """A tree's graphrt must import its own modules: where it lacks one (an unbuilt C
+    helper), an editable install of graphrt elsewhere supplies that module from its own tree
+    instead, and the A/B would time the wrong code."""
+    code = ("import importlib.util, graphrt; spec = importlib.util.find_spec('graphrt._fast'); "
+            "print(graphrt.__file__); print(spec.origin if spec else '')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    lines = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    for origin in lines:
+        if origin and not Path(origin).resolve().is_relative_to(site.resolve()):
+            raise SystemExit(f"tree {label}: {origin} is imported from outside its tree (build its C helper: "
+                             f"python setup.py build_ext --inplace in that tree)")
 
 
 if __name__ == "__main__":

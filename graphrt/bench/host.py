@@ -6,6 +6,10 @@ Pieces (decode steps of the toy model, context 1024): ``Step.from_arrays``,
 ``Step.validate``, ``GraphSet.pick`` + the replay guard, ``StepBuffers.pack``,
 ``StepBuffers.copy`` (the pinned copy and its event), the graph replay alone, a bare
 pinned ``copy_`` of the same bytes, and the whole ``rt.step`` with the Step built inside.
+Without a GPU (and without ``--quick``) the cells are one layer at batch 1, 64 and 256 and
+the pieces the host's own (no graph; the copy a host memcpy; no whole step, which there is
+the interpreted model): what ``benchmarks/ab.py --which host`` compares between two trees on
+a CPU machine.
 Each round times every piece as the median over 1000 calls (20 with ``--quick``) after a
 warm-up, the pieces one after another; a figure is the median of five rounds' medians
 (two with ``--quick``), each round's kept beside it (``*_us_rounds``). The GPU is
@@ -57,7 +61,8 @@ def pieces(layers: int, batch: int, reps: int, quick: bool, rounds: int = ROUNDS
     timed["bare_copy"] = lambda: arena[:nbytes].copy_(staging[:nbytes], non_blocking=True)
     if captured is not None:
         timed["replay"] = lambda: rt.graphs.replay(captured)
-    timed["step"] = lambda: rt.step(Step.from_arrays(**arrays), ids)
+    if cuda or quick:       # (on a CPU host the whole step is the interpreted model: not host work)
+        timed["step"] = lambda: rt.step(Step.from_arrays(**arrays), ids)
     # rounds interleave the pieces, so a slow spell of the host shows in every piece's
     # spread instead of in one piece's median; the whole step's ring waits are taken out
     # (with 1000 replays queued between syncs it would otherwise time the GPU)
@@ -72,14 +77,17 @@ def pieces(layers: int, batch: int, reps: int, quick: bool, rounds: int = ROUNDS
 
 
 def run(*, quick: bool, out: Path, quiet: bool = False) -> list[dict]:
-    small = quick or not torch.cuda.is_available()
-    reps = 20 if small else 1000
-    cells = [(1, 1), (1, 4)] if small else [(1, 1), (1, 256), (8, 1), (32, 256)]
-    rows = [pieces(layers, batch, reps, small, 2 if small else ROUNDS) for layers, batch in cells]
+    if quick:
+        reps, cells = 20, [(1, 1), (1, 4)]
+    elif torch.cuda.is_available():
+        reps, cells = 1000, [(1, 1), (1, 256), (8, 1), (32, 256)]
+    else:                   # a CPU host: the host pieces alone at the batches that move them
+        reps, cells = 2000, [(1, 1), (1, 64), (1, 256)]
+    rows = [pieces(layers, batch, reps, quick, 2 if quick else ROUNDS) for layers, batch in cells]
     for r in rows:
         print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
                         if k not in ("bench", "impl") and not k.endswith("_rounds")))
-    path = write(out, "host" if not small else "host_quick", rows)
+    path = write(out, "host_quick" if quick else "host", rows)
     if not quiet:
         print(f"wrote {path}")
     return rows
