@@ -190,3 +190,43 @@ def test_linear_pass_marks_only_unwritten_input_weights_constant(device):
 
         small_linear(vals[0], [vals[3]], constant_weights=1)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8], ids=["rows1", "rows8"])
+def test_chained_launches_with_pdl_read_what_the_launch_before_wrote(rows):
+    """A chain of small_linear launches as programmatic dependents in one CUDA graph, each
+    loading its first weight tile before it waits (constant weights), each reading the
+    output of the launch before, which lets it launch at its own start: every replay with
+    fresh inputs gives the chain of float64 products (a launch that read its input before
+    the one before had written it would give the last replay's values)."""
+    from graphrt.kernels._checks import pdl_launches, pdl_supported
+
+    dev = torch.device("cuda")
+    if not pdl_supported(dev, True):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    seed = fresh_seed()
+    _, gen = rngs(seed)
+    width, depth = 1024, 6
+    ws = [(torch.randn(width, width, generator=gen) / width ** 0.5).to(dev, torch.bfloat16) for _ in range(depth)]
+    x = torch.zeros(rows, width, device=dev, dtype=torch.bfloat16)
+
+    def chain():
+        h = x
+        for w in ws:
+            h = small_linear(h, [w], constant_weights=True)[0]
+        return h
+
+    with pdl_launches(True):
+        chain()                                           # compiles the variant outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+    for _ in range(4):
+        x.copy_(torch.randn(rows, width, generator=gen).to(dev, torch.bfloat16))
+        graph.replay()
+        want = x.double()
+        for w in ws:
+            want = (want @ w.double().T).to(torch.bfloat16).double()   # each launch rounds its output
+        assert_close("chain", out, want, 5e-2, 5e-2, seed)
