@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of a commit, in one go, for a machine with a CUDA device:
 #   bash benchmarks/h200_checks.sh OUT PART...
-# PART: tests | tests-transformers | demo-models | bench-model | sanitizer | sanitizer-each | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
+# PART: tests | tests-517 (the suite on the image's transformers) | tests-transformers | demo-models | bench-model | sanitizer | sanitizer-each | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
 #       probe-ops | probe-pdl | ab-sampling | ab-host | bench-host | bench-capture | bench-runtime | bench-step | bench-sampling | bench-speculative (SPEC_ARGS, e.g. "--batches 1,8 --drafts 3 --sampled") | probe-model-step |
 #       bench-kernels | sweep-fp8 | sweep-prefill | probe-prefill-tma | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime, ab-kernels (ROUNDS, default 1), ab-sampling, ab-host (ROUNDS, default 2) and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options (probe-step), or probe_model_step.py's (probe-model-step, e.g. "--model llama-8b --batches 1,32 --compiled-only"); SWEEP_ARGS: sweep_prefill.py options, e.g. "--new-kv --sizes 4096 16384"); JOBS: pytest workers for tests (default 10); HF_SITE: a folder of carried
@@ -30,7 +30,13 @@ fi
 for part in "$@"; do
   log="$out/${part}_$c.log"
   case $part in
-    tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -n "${JOBS:-10}" tests --ignore=tests/test_sanitizer.py ;;
+    tests) timeout "$limit" python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider -n "${JOBS:-10}" tests \
+             --ignore=tests/test_sanitizer.py ;;
+    tests-517) s517=/tmp/site517; rm -rf "$s517"; python3 -m pip install -q --no-index --no-deps --target "$s517" \
+                 .whl/nvtx*.whl   # the same suite on the image's own transformers: nvtx alone carried
+               PYTHONPATH=$s517 python3 -c "import transformers; print('transformers', transformers.__version__)"
+               PYTHONPATH=$s517 timeout "$limit" python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider \
+                 -n "${JOBS:-10}" tests --ignore=tests/test_sanitizer.py ;;
     sanitizer) timeout "$limit" python3 -m pytest -q -rP -p no:cacheprovider -n 3 tests/test_sanitizer.py ;;
     sanitizer-each) s=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)   # one at a time,
                 # each report kept: the descriptor path alone first, then the test file's three runs
