@@ -37,16 +37,18 @@ def _linear_tile(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # the first tile of columns apart from the loop: a programmatic dependent launch with
-    # constant weights (PREFETCH) loads its weight tile before it waits for the kernel
-    # before it, which wrote x (the weights no kernel of the step writes)
+    # constant weights (PREFETCH, only with PDL) loads its weight tile before it waits for
+    # the kernel before it, which wrote x (the weights no kernel of the step writes)
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < K
     if PREFETCH:
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)     # [BLOCK_N, BLOCK_K]
-    if PDL:     # a programmatic dependent launch: wait for the kernel before (see _attn_kernel)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if not PREFETCH:
+    else:
+        if PDL:     # a programmatic dependent launch: wait for the kernel before (see _attn_kernel)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
     b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)        # [BLOCK_M, BLOCK_K]
     if BLOCK_M == 1:
