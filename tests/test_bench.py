@@ -81,6 +81,23 @@ def test_bench_speculative_sampled_quick(tmp_path):
     assert by["same"]["acceptance"] >= (1.0 if not torch.cuda.is_available() else 0.9), rows
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the GPU cells")
+def test_bench_host_on_a_cpu_host_times_the_host_pieces(tmp_path):
+    """Without a GPU and without --quick, ``graphrt bench host`` times the host's own pieces
+    (no whole step, which there is the interpreted model) at batch 1, 64 and 256, in rounds
+    (what ab.py compares between two trees on a CPU machine)."""
+    from graphrt.bench.host import ROUNDS, run
+
+    rows = run(quick=False, out=tmp_path, quiet=True)
+    assert [(r["layers"], r["batch"], r["context"]) for r in rows] == [(1, 1, 1024), (1, 64, 1024), (1, 256, 1024)]
+    for r in rows:
+        assert "step_us" not in r and "replay_us" not in r, sorted(r)
+        for piece in ("from_arrays", "validate", "pack", "copy", "bare_copy"):
+            assert len(r[f"{piece}_us_rounds"]) == ROUNDS and r[f"{piece}_us"] > 0, r
+    assert [r["copy_bytes"] for r in rows] == sorted(r["copy_bytes"] for r in rows) and rows[0]["copy_bytes"] > 0
+    assert (tmp_path / "host.json").exists()
+
+
 def test_ab_script_interleaves_two_trees(tmp_path):
     """benchmarks/ab.py runs a benchmark on two trees in turn and writes per-cell ratios (the
     step bench: seconds on a GPU, where the capture bench's four cold-cache captures per tree
