@@ -243,9 +243,9 @@ def test_family_matches_transformers_replayed(kind, dtype):
     (worst logit error / max |logit| under 5e-2 / 1e-2), or, where the two low-precision
     paths part by more, against an fp32 copy of the model: graphrt's error there at most 1.5x
     transformers' own error in that dtype on the same positions. Two roundings of a MoE
-    router's near-tie send a token to different experts: mixtral bf16 once read 5.07e-2
-    against transformers' bf16 (H200, 33aaab9), which says which of the two is nearer the
-    fp32 model no better than the fp32 comparison does."""
+    router's near-tie send a token to different experts (mixtral bf16 once read 5.07e-2
+    against transformers' bf16, H200, 33aaab9); comparing the two low-precision paths with
+    each other cannot say which is nearer the fp32 model, the fp32 comparison can."""
     if refused_by_this_release(kind):
         return
     seed = fresh_seed()
