@@ -98,22 +98,25 @@ def test_compiled_model_runs_through_runtime(device):
     assert seen.count("graphrt.paged_attention") >= 2, f"the compiled model did not trace graphrt ops: {seen}"
 
 
-def _options(device: torch.device) -> CompileOptions:
+def _options(device: torch.device, pdl: bool = False) -> CompileOptions:
     """Inductor on the GPU; aot_eager on the CPU (traced the same way, no code generation:
     what fits CI's time)."""
-    return CompileOptions(backend="inductor" if device.type == "cuda" else "aot_eager")
+    return CompileOptions(backend="inductor" if device.type == "cuda" else "aot_eager", pdl=pdl)
 
 
-def test_runtime_compile_option_matches_the_uncompiled_step(device):
+@pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
+def test_runtime_compile_option_matches_the_uncompiled_step(device, pdl):
     """Runtime(compile=...): each bucket compiled once, checked to run graphrt attention once
     a layer, then (GPU) captured and replayed or (CPU) run over the bucket's buffers; its
     outputs equal the uncompiled runtime's step after step, and a step no bucket fits runs
-    the step uncompiled."""
+    the step uncompiled. With ``pdl`` (GPU: every kernel of the compiled steps a
+    programmatic dependent launch, the split-KV decode launches and their merges included)
+    the same."""
     seed = fresh_seed()
     rng, _ = rngs(seed)
     cfg = small_cfg(num_blocks=120, max_num_seqs=4, max_num_tokens=64, max_model_len=160)
     model = ToyModel(cfg, num_layers=2, hidden=64, vocab=50, window=24, seed=seed, device=device)
-    rt = Runtime(cfg, model, num_layers=2, device=device, compile=_options(device))
+    rt = Runtime(cfg, model, num_layers=2, device=device, compile=_options(device, pdl))
     plain = Runtime(cfg, model, num_layers=2, device=device)
     captured = rt.capture(decode_buckets=[2, 4], mixed_buckets=[32], quiet=True)
     assert len(captured) == 3 and all((g.graph is not None) == (device.type == "cuda") for g in captured)
