@@ -23,6 +23,17 @@ MAX_WEIGHTS = 3
 
 
 @triton.jit
+def _accumulate(acc, b_w, b_x, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One column tile into the accumulator: one row elementwise ([BLOCK_N, BLOCK_K], summed
+    at the end), more rows through ``tl.dot`` ([BLOCK_M, BLOCK_N])."""
+    if BLOCK_M == 1:
+        acc += b_w.to(tl.float32) * b_x.to(tl.float32)
+    else:
+        acc = tl.dot(b_x, tl.trans(b_w), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _linear_tile(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, i_n,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
@@ -51,19 +62,13 @@ def _linear_tile(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             tl.extra.cuda.gdc_launch_dependents()
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
     b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)        # [BLOCK_M, BLOCK_K]
-    if BLOCK_M == 1:
-        acc += b_w.to(tl.float32) * b_x.to(tl.float32)
-    else:
-        acc = tl.dot(b_x, tl.trans(b_w), acc, input_precision=DOT_PRECISION)
+    acc = _accumulate(acc, b_w, b_x, BLOCK_M, DOT_PRECISION)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < K
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
         b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
-        if BLOCK_M == 1:
-            acc += b_w.to(tl.float32) * b_x.to(tl.float32)
-        else:
-            acc = tl.dot(b_x, tl.trans(b_w), acc, input_precision=DOT_PRECISION)
+        acc = _accumulate(acc, b_w, b_x, BLOCK_M, DOT_PRECISION)
     if BLOCK_M == 1:
         b_y = tl.sum(acc, axis=1)[None, :]                       # [1, BLOCK_N]
     else:

@@ -6,16 +6,16 @@ Pieces (decode steps of the toy model, context 1024): ``Step.from_arrays``,
 ``Step.validate``, ``GraphSet.pick`` + the replay guard, ``StepBuffers.pack``,
 ``StepBuffers.copy`` (the pinned copy and its event), the graph replay alone, a bare
 pinned ``copy_`` of the same bytes, and the whole ``rt.step`` with the Step built inside.
-Without a GPU (and without ``--quick``) the cells are one layer at batch 1, 64 and 256 and
-the pieces the host's own (no graph; the copy a host memcpy; no whole step, which there is
-the interpreted model): what ``benchmarks/ab.py --which host`` compares between two trees on
-a CPU machine.
 Each round times every piece as the median over 1000 calls (20 with ``--quick``) after a
 warm-up, the pieces one after another; a figure is the median of five rounds' medians
 (two with ``--quick``), each round's kept beside it (``*_us_rounds``). The GPU is
 synchronised every 50 calls, and the whole step's waits for a free staging slot are taken
-out of its time, so that the figures are the host's own work. On CPU the graph pieces are
-absent and the copy is a host memcpy.
+out of its time, so that the figures are the host's own work.
+
+Without a GPU the graph pieces are absent and the copy is a host memcpy; without
+``--quick`` too, the cells are one layer at batch 1, 64 and 256 (2000 calls a piece) and
+the whole step, there the interpreted model, is left out: what ``benchmarks/ab.py --which
+host`` compares between two trees on a CPU machine.
 """
 
 from __future__ import annotations

@@ -177,29 +177,26 @@ class GraphrtLoop:
         serve(self.rt, reqs, chunk=self.chunk, free_blocks=[], read_back=False)
         return torch.stack([r.generated[0] for r in reqs])
 
-    def step_logits(self, first: torch.Tensor) -> torch.Tensor:
-        """The first decode step's logits [batch, vocab] (float) from ``first`` (the ids after
-        the prompts, on the device), as ``decode`` makes it."""
+    def _decode_step(self, i: int):
+        """The batch's ``i``-th decode step after the prompts (one token each, context prompt + i)."""
         from graphrt import Step
 
         ranges = np.tile(np.asarray(self.ranges or [(0, 0)], np.int64)[None], (self.batch, 1, 1))
-        step = Step.from_arrays(q_lens=np.ones(self.batch, np.int64), context_lens=np.full(self.batch, self.prompt,
-                                                                                           np.int64),
+        return Step.from_arrays(q_lens=np.ones(self.batch, np.int64),
+                                context_lens=np.full(self.batch, self.prompt + i, np.int64),
                                 block_table=self.table, prefix_ranges=ranges)
-        return self.rt.step(step, first)[: self.batch].float()
+
+    def step_logits(self, first: torch.Tensor) -> torch.Tensor:
+        """The first decode step's logits [batch, vocab] (float) from ``first`` (the ids after
+        the prompts, on the device), as ``decode`` makes it."""
+        return self.rt.step(self._decode_step(0), first)[: self.batch].float()
 
     def decode(self, first: torch.Tensor, steps: int) -> torch.Tensor:
         """``steps`` greedy decodes of the whole batch from ``first`` ([batch] ids on the
         device); returns the tokens [batch, steps + 1] (first included). No host sync."""
-        from graphrt import Step
-
         tokens, ids = [first], first
-        q = np.ones(self.batch, np.int64)
-        ranges = np.tile(np.asarray(self.ranges or [(0, 0)], np.int64)[None], (self.batch, 1, 1))
         for i in range(steps):
-            ctx = np.full(self.batch, self.prompt + i, np.int64)
-            step = Step.from_arrays(q_lens=q, context_lens=ctx, block_table=self.table, prefix_ranges=ranges)
-            ids = self.rt.step(step, ids)[: self.batch].argmax(-1)
+            ids = self.rt.step(self._decode_step(i), ids)[: self.batch].argmax(-1)
             tokens.append(ids)
         return torch.stack(tokens, 1)
 
@@ -260,7 +257,7 @@ def last_logits(model, ids: torch.Tensor, first: torch.Tensor, pixels: torch.Ten
         return model(input_ids=seq, **kwargs).logits[0, -1].float()
 
 
-def logit_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def worst_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """Worst |got - want| / max |want|."""
     return float((got.float() - want).abs().max() / want.abs().max())
 
@@ -327,7 +324,7 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
         same = (tokens[:, :COMPARE_TOKENS].cpu() == graphrt_tokens).int().cumprod(1).sum(1).float()
         row["compiled_tokens_agree"] = float(same.mean())      # with the eager graphrt loop's
         compiled_logits = loop.step_logits(eager_first)          # the eager loop's inputs, the compiled step
-        row["compiled_eager_logit_diff"] = logit_error(compiled_logits, eager_logits)
+        row["compiled_eager_logit_diff"] = worst_error(compiled_logits, eager_logits)
         loop = None
         gc.collect()
     if reference is not None:
@@ -339,10 +336,10 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        row["eager_logit_error"] = logit_error(eager_logits[0], want)
+        row["eager_logit_error"] = worst_error(eager_logits[0], want)
         if compiled:
-            row["compiled_logit_error"] = logit_error(compiled_logits[0], want)
-        row["hf_logit_error"] = logit_error(last_logits(hf, ids[0], eager_first[0], pixels0), want)
+            row["compiled_logit_error"] = worst_error(compiled_logits[0], want)
+        row["hf_logit_error"] = worst_error(last_logits(hf, ids[0], eager_first[0], pixels0), want)
     for mode in hf_modes:
         static = mode == "static"
         hf_generate(hf, dev_ids, dev_pixels, new_tokens, static)       # warm-up (compiles, with a static cache)
