@@ -12,6 +12,10 @@ one row always (Llama-1B 960 µs a step against cuBLAS' 1250; 8B 5.07 ms against
 and at 2 to 32 rows a group that shares its input (q/k/v: 7.6 µs against three cuBLAS
 launches' 17.8) or an output of 32768 rows or more (the LM head), where single narrow
 projections stay with cuBLAS (o: 6.4 µs against graphrt's 6.9).
+
+A matmul whose input is a SwiGLU product ``silu(g) * u`` (the MLP's down projection) takes g
+and u instead: the kernel forms the product as it loads its input, and the elementwise
+kernel that made it goes (at any number of rows up to 32: that launch is saved too).
 """
 
 from __future__ import annotations
@@ -40,8 +44,84 @@ def _val(node: object):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_CONVERT = torch.ops.prims.convert_element_type.default
+
+
+def _through_views(node: object) -> object:
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _silu_of(node: object, dtype: torch.dtype):
+    """g where ``node`` is silu(g) rounded to ``dtype`` as a traced model computes it
+    (``aten.silu``, or its decompositions g / (1 + exp(-g)) and g * sigmoid(g), on g or on g
+    converted to fp32); else None."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    if node.target is _CONVERT:
+        if node.args[1] != dtype:
+            return None
+        node = node.args[0]
+    elif _val(node) is None or _val(node).dtype != dtype:
+        return None
+
+    def call(n, *targets):
+        return isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in targets and not n.kwargs
+
+    c = None
+    if call(node, aten.silu.default):
+        c = node.args[0]
+    elif call(node, aten.div.Tensor):
+        c, den = node.args
+        one_plus = call(den, aten.add.Tensor) and (
+            (den.args[1] == 1 and call(den.args[0], aten.exp.default)) or
+            (den.args[0] == 1 and call(den.args[1], aten.exp.default)))
+        if not one_plus:
+            return None
+        e = den.args[0] if den.args[1] == 1 else den.args[1]
+        if not (call(e.args[0], aten.neg.default) and e.args[0].args[0] is c):
+            return None
+    elif call(node, aten.mul.Tensor):
+        a, b = node.args
+        if call(b, aten.sigmoid.default) and b.args[0] is a:
+            c = a
+        elif call(a, aten.sigmoid.default) and a.args[0] is b:
+            c = b
+    if not isinstance(c, torch.fx.Node):
+        return None
+    if call(c, _CONVERT) and c.args[1] == torch.float32:
+        c = c.args[0]
+    cv = _val(c)
+    return c if cv is not None and cv.dtype == dtype else None
+
+
+def _swiglu(x: torch.fx.Node):
+    """(u, g) where ``x`` is (a view of) silu(g) * u, both of x's shape, dtype and
+    contiguous, as the model's tensors (the caller views them as x); else None."""
+    xv = _val(x)
+    mul = _through_views(x)
+    if not (isinstance(mul, torch.fx.Node) and mul.op == "call_function" and mul.target is aten.mul.Tensor
+            and not mul.kwargs and all(isinstance(a, torch.fx.Node) for a in mul.args)):
+        return None
+    for s_node, u in (mul.args, mul.args[::-1]):
+        g = _silu_of(s_node, xv.dtype)
+        if g is None:
+            continue
+        gv, uv, mv = _val(g), _val(u), _val(mul)
+        if gv is None or uv is None or mv is None or tuple(gv.shape) != tuple(mv.shape) or \
+                tuple(uv.shape) != tuple(mv.shape) or uv.dtype != xv.dtype or gv.device != xv.device or \
+                uv.device != xv.device or not gv.is_contiguous() or not uv.is_contiguous() or \
+                mv.numel() != xv.numel():
+            return None
+        return u, g
+    return None
+
+
 def _candidate(node: torch.fx.Node, devices: tuple[str, ...]):
-    """(x, w, bias or None) where ``node`` is x @ w.T (+ bias) that small_linear can run."""
+    """(x, w, bias or None, (u, g) or None) where ``node`` is x @ w.T (+ bias) that
+    small_linear can run; the last, where x is silu(g) * u (``_swiglu``)."""
     if node.op != "call_function" or node.kwargs:
         return None
     if node.target is aten.mm.default:
@@ -64,10 +144,7 @@ def _candidate(node: torch.fx.Node, devices: tuple[str, ...]):
         return None
     if bias is not None and (bv.dim() != 1 or bv.shape[0] != wv.shape[0] or bv.dtype != xv.dtype):
         return None
-    return x, w, bias
-
-
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+    return x, w, bias, _swiglu(x)
 
 
 def _input_key(x: torch.fx.Node):
@@ -105,7 +182,7 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
     for node in graph.nodes:
         found = _candidate(node, devices)
         if found is not None:
-            by_input.setdefault(_input_key(found[0]), []).append((node, *found))
+            by_input.setdefault((_input_key(found[0]), found[3]), []).append((node, *found))
     replaced = 0
     for members in by_input.values():
         while members:
@@ -117,27 +194,40 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
                                and order[m[2]] < order[first[0]]
                                and (m[3] is None or order[m[3]] < order[first[0]])][:2]
             members = [m for m in members if m not in group]
-            x = first[1]                      # the first matmul's input: defined before it
+            x, swiglu = first[1], first[4]    # the first matmul's input: defined before it
             rows = _val(x).shape[0]
             wide = sum(_val(m[2]).shape[0] for m in group) >= WIDE_OUTPUT
-            if rows > 1 and len(group) == 1 and not wide:
+            if rows > 1 and len(group) == 1 and not wide and swiglu is None:
                 continue                      # one narrow weight over several rows: cuBLAS is faster
             with graph.inserting_before(first[0]):
-                call = graph.call_function(torch.ops.graphrt.small_linear.default,
-                                           (x, [m[2] for m in group], [m[3] for m in group],
-                                            all(_constant(m[2]) for m in group)))
+                args = (x, [m[2] for m in group], [m[3] for m in group], all(_constant(m[2]) for m in group))
+                if swiglu is not None:        # u and g viewed as x: the call takes (u, ..., gate=g)
+                    u, g = (graph.call_function(aten.reshape.default, (t, list(_val(x).shape))) for t in swiglu)
+                    u.meta["val"], g.meta["val"] = (_val(t).reshape(_val(x).shape) for t in swiglu)
+                    args = (u, *args[1:], g)
+                call = graph.call_function(torch.ops.graphrt.small_linear.default, args)
                 call.meta["val"] = [_val(m[0]) for m in group]
                 for i, (mm, *_rest) in enumerate(group):
                     item = graph.call_function(operator.getitem, (call, i))
                     item.meta["val"] = _val(mm)
                     mm.replace_all_uses_with(item)
             for mm, *_rest in group:
-                transposed = mm.args[-1]
+                inputs = mm.all_input_nodes
                 graph.erase_node(mm)
-                if not transposed.users:
-                    graph.erase_node(transposed)
+                _drop_unused(graph, inputs)   # the transposed weight; a SwiGLU product now unread
                 replaced += 1
     return replaced
+
+
+def _drop_unused(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
+    """Erase each of ``nodes`` that nothing reads and that writes nothing, then the same for
+    the nodes those read (graph inputs stay)."""
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n.op == "call_function" and not n.users and not _mutates(n) and not getattr(n, "_erased", False):
+            stack.extend(n.all_input_nodes)
+            graph.erase_node(n)
 
 
 class SmallLinearPass(CustomGraphPass):

@@ -6,7 +6,11 @@ them, each into its own output.
 The kernel streams each weight once, BLOCK_N rows a program, BLOCK_K columns at a time.
 One row of x accumulates elementwise in fp32 and reduces once at the end; 2 to 64 rows
 use ``tl.dot`` with the rows padded to 16 (a memory-bound shape: the tensor cores have
-room to spare)."""
+room to spare).
+
+Given a ``gate`` of x's shape, the kernel's input is ``silu(gate) * x``, computed as it loads
+x (a SwiGLU MLP's down projection: the product is never written), silu(gate) and the
+product each rounded to x's dtype as the separate ops round."""
 
 from __future__ import annotations
 
@@ -34,15 +38,28 @@ def _accumulate(acc, b_w, b_x, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexp
 
 
 @triton.jit
-def _linear_tile(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, i_n,
+def _load_x(p_x, p_g, o_k, m_x, GATED: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] tile of the input: x, or (GATED) silu(gate) * x, silu(gate) and
+    the product each rounded to x's dtype."""
+    b_x = tl.load(p_x + o_k[None, :], mask=m_x, other=0.0)
+    if GATED:
+        b_g = tl.load(p_g + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
+        b_s = (b_g / (1.0 + tl.exp(-b_g))).to(b_x.dtype)
+        b_x = (b_s.to(tl.float32) * b_x.to(tl.float32)).to(b_x.dtype)
+    return b_x
+
+
+@triton.jit
+def _linear_tile(x_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_gm, stride_wn, stride_ym, i_n,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr):
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < M
     p_w = w_ptr + o_n.to(tl.int64)[:, None] * stride_wn          # [BLOCK_N, 1]
     p_x = x_ptr + o_m.to(tl.int64)[:, None] * stride_xm          # [BLOCK_M, 1]
+    p_g = g_ptr + o_m.to(tl.int64)[:, None] * stride_gm          # (GATED only)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
@@ -61,13 +78,13 @@ def _linear_tile(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-    b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)        # [BLOCK_M, BLOCK_K]
+    b_x = _load_x(p_x, p_g, o_k, m_m[:, None] & m_k[None, :], GATED)                       # [BLOCK_M, BLOCK_K]
     acc = _accumulate(acc, b_w, b_x, BLOCK_M, DOT_PRECISION)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < K
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_x = _load_x(p_x, p_g, o_k, m_m[:, None] & m_k[None, :], GATED)
         acc = _accumulate(acc, b_w, b_x, BLOCK_M, DOT_PRECISION)
     if BLOCK_M == 1:
         b_y = tl.sum(acc, axis=1)[None, :]                       # [1, BLOCK_N]
@@ -80,23 +97,24 @@ def _linear_tile(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
-                   M, N0, N1, N2, K, stride_xm, stride_w0, stride_w1, stride_w2, stride_y0, stride_y1, stride_y2,
-                   NUM_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+def _linear_kernel(x_ptr, g_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
+                   M, N0, N1, N2, K, stride_xm, stride_gm, stride_w0, stride_w1, stride_w2, stride_y0, stride_y1,
+                   stride_y2, NUM_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+                   PREFETCH: tl.constexpr, GATED: tl.constexpr):
     # programs [0, nb0) stream w0, the next nb1 w1, the rest w2
     i = tl.program_id(0)
     nb0 = tl.cdiv(N0, BLOCK_N)
     nb1 = tl.cdiv(N1, BLOCK_N)
     if i < nb0:
-        _linear_tile(x_ptr, w0_ptr, b0_ptr, y0_ptr, M, N0, K, stride_xm, stride_w0, stride_y0, i,
-                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH)
+        _linear_tile(x_ptr, g_ptr, w0_ptr, b0_ptr, y0_ptr, M, N0, K, stride_xm, stride_gm, stride_w0, stride_y0,
+                     i, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH, GATED)
     elif NUM_W == 2 or (NUM_W == 3 and i < nb0 + nb1):
-        _linear_tile(x_ptr, w1_ptr, b1_ptr, y1_ptr, M, N1, K, stride_xm, stride_w1, stride_y1, i - nb0,
-                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH)
+        _linear_tile(x_ptr, g_ptr, w1_ptr, b1_ptr, y1_ptr, M, N1, K, stride_xm, stride_gm, stride_w1, stride_y1,
+                     i - nb0, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH, GATED)
     elif NUM_W == 3:
-        _linear_tile(x_ptr, w2_ptr, b2_ptr, y2_ptr, M, N2, K, stride_xm, stride_w2, stride_y2, i - nb0 - nb1,
-                     BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH)
+        _linear_tile(x_ptr, g_ptr, w2_ptr, b2_ptr, y2_ptr, M, N2, K, stride_xm, stride_gm, stride_w2, stride_y2,
+                     i - nb0 - nb1, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH, GATED)
 
 
 @dataclass(frozen=True)
@@ -143,7 +161,8 @@ def default_linear_config(m: int, n: int, k: int, itemsize: int = 2) -> LinearCo
 
 def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tensor, ...],
                  biases: list[torch.Tensor] | tuple[torch.Tensor, ...] | None = None, *,
-                 config: LinearConfig | None = None, constant_weights: bool = False) -> list[torch.Tensor]:
+                 config: LinearConfig | None = None, constant_weights: bool = False,
+                 gate: torch.Tensor | None = None) -> list[torch.Tensor]:
     """``[x @ w.T (+ b) for w, b in zip(weights, biases)]`` in one launch.
 
     x:       [M, K], 1 <= M <= 64, contiguous rows (any row stride).
@@ -152,6 +171,7 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
     constant_weights: no kernel launched before this one in the stream writes the weights
                (a model's parameters): a programmatic dependent launch then loads its first
                weight tile before it waits for the kernel before it.
+    gate:    None, or [M, K] of x's dtype (contiguous rows): the input is then silu(gate) * x.
     Returns new [M, N_i] tensors of x's dtype. The launch is a programmatic dependent one
     (PDL) on sm_90+ where GRAPHRT_PDL=1 or inside ``_checks.pdl_launches(True)``.
     """
@@ -179,6 +199,10 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
             check_tensor(f"biases[{i}]", b, dim=1, dtypes=(x.dtype,), device=x.device)
             if b.shape[0] != w.shape[0]:
                 raise ValueError(f"biases[{i}] has {b.shape[0]} entries, weights[{i}] {w.shape[0]} rows")
+    if gate is not None:
+        check_tensor("gate", gate, dim=2, dtypes=(x.dtype,), device=x.device)
+        if tuple(gate.shape) != (m, k):
+            raise ValueError(f"gate must have x's shape ({m}, {k}), got {tuple(gate.shape)}")
     cfg = config or default_linear_config(m, sum(w.shape[0] for w in weights), k, x.element_size())
     if not isinstance(cfg, LinearConfig):
         raise TypeError(f"config must be a LinearConfig, got {type(cfg).__name__}")
@@ -194,9 +218,11 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
     n3 = [w.shape[0] for w in weights] + [0] * pad
     grid = (sum(triton.cdiv(n, cfg.block_n) for n in n3),)
     _linear_kernel[grid](
-        x, *w3, *b3, *y3, m, *n3, k, x.stride(0), *(w.stride(0) for w in w3), *(y.stride(0) for y in y3),
+        x, x if gate is None else gate, *w3, *b3, *y3, m, *n3, k, x.stride(0), 0 if gate is None else gate.stride(0),
+        *(w.stride(0) for w in w3), *(y.stride(0) for y in y3),
         NUM_W=len(weights), BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=biases is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",      # fp32 as torch's matmul: no tf32
-        PDL=pdl, PREFETCH=pdl and constant_weights, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        PDL=pdl, PREFETCH=pdl and constant_weights, GATED=gate is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return outs
