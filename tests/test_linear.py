@@ -158,6 +158,33 @@ def test_linear_pass_groups_shared_inputs(rows, device):
     assert_close("logits", gm(*args), want, 1e-2, 1e-2, seed)
 
 
+@pytest.mark.parametrize("form", ["silu", "inductor", "sigmoid", "not-silu"])
+def test_linear_pass_finds_the_swiglu_product(form):
+    """The SwiGLU product is found in the forms a traced model's graph holds: ``aten.silu``,
+    Inductor's decomposition (g / (1 + exp(-g)) in fp32, rounded), g * sigmoid(g); not in a
+    look-alike (g / (2 + exp(-g)))."""
+    import torch.nn.functional as F
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphrt.capture.linear_pass import _swiglu
+
+    act = {"silu": F.silu, "inductor": F.silu, "sigmoid": lambda g: g * torch.sigmoid(g),
+           "not-silu": lambda g: (g.float() / (2 + torch.exp(-g.float()))).to(g.dtype)}[form]
+
+    def mlp(g, u):
+        return act(g) * u
+
+    g, u = torch.randn(2, 1, 8, dtype=torch.float16), torch.randn(2, 1, 8, dtype=torch.float16)
+    gm = make_fx(mlp, decomposition_table=select_decomp_table() if form == "inductor" else None)(g, u)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert (torch.ops.aten.silu.default in targets) == (form == "silu"), targets
+    mul = [n for n in gm.graph.nodes if n.op == "call_function"][-1]
+    found = _swiglu(mul)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert found == (None if form == "not-silu" else (placeholders[1], placeholders[0])), (found, targets)
+
+
 def test_linear_pass_never_groups_across_a_write(device):
     """Two matmuls of one input with an in-place write to it in between (a graph that is not
     functional) stay two launches, each reading what it read before the rewrite."""
