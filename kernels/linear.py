@@ -10,7 +10,14 @@ room to spare).
 
 Given a ``gate`` of x's shape, the kernel's input is ``silu(gate) * x``, computed as it loads
 x (a SwiGLU MLP's down projection: the product is never written), silu(gate) and the
-product each rounded to x's dtype as the separate ops round."""
+product each rounded to x's dtype as the separate ops round. Given a ``norm_weight``, the
+input is x under an RMSNorm: each row of x scaled by the inverse root of its mean square
+and by the norm's weight (``w``, or ``1 + w`` as Gemma's norms have it). The kernel
+multiplies x by the weight as it loads it, sums x's squares beside the products and
+scales each row's sums once at the end (so the normed x is never rounded to x's dtype,
+where the separate ops round it twice). Given a ``residual`` [M, N], the output is
+``residual + x @ w.T (+ b)``, the product rounded to x's dtype first as the separate add
+sees it."""
 
 from __future__ import annotations
 
@@ -38,21 +45,30 @@ def _accumulate(acc, b_w, b_x, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexp
 
 
 @triton.jit
-def _load_x(p_x, p_g, o_k, m_x, GATED: tl.constexpr):
+def _load_x(p_x, p_g, nw_ptr, o_k, m_x, m_k, ss, GATED: tl.constexpr, NORM: tl.constexpr):
     """A [BLOCK_M, BLOCK_K] tile of the input: x, or (GATED) silu(gate) * x, silu(gate) and
-    the product each rounded to x's dtype."""
+    the product each rounded to x's dtype, or (NORM 1 / 2) x times the norm's weight w /
+    1 + w, its squares added to ``ss``. Returns (tile, ss)."""
     b_x = tl.load(p_x + o_k[None, :], mask=m_x, other=0.0)
     if GATED:
         b_g = tl.load(p_g + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
         b_s = (b_g / (1.0 + tl.exp(-b_g))).to(b_x.dtype)
         b_x = (b_s.to(tl.float32) * b_x.to(tl.float32)).to(b_x.dtype)
-    return b_x
+    if NORM != 0:
+        x32 = b_x.to(tl.float32)
+        ss += x32 * x32
+        b_nw = tl.load(nw_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+        if NORM == 2:
+            b_nw += 1.0
+        b_x = (x32 * b_nw).to(b_x.dtype)
+    return b_x, ss
 
 
 @triton.jit
-def _linear_tile(x_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_gm, stride_wn, stride_ym, i_n,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr):
+def _linear_tile(x_ptr, g_ptr, nw_ptr, eps, r_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_gm, stride_rm,
+                 stride_wn, stride_ym, i_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                 GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_m = tl.arange(0, BLOCK_M)
@@ -64,6 +80,7 @@ def _linear_tile(x_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_g
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)         # x's squares (NORM only)
     # the first tile of columns apart from the loop: a programmatic dependent launch with
     # constant weights (PREFETCH, only with PDL) loads its weight tile before it waits for
     # the kernel before it, which wrote x (the weights no kernel of the step writes)
@@ -78,43 +95,54 @@ def _linear_tile(x_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_g
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-    b_x = _load_x(p_x, p_g, o_k, m_m[:, None] & m_k[None, :], GATED)                       # [BLOCK_M, BLOCK_K]
+    b_x, ss = _load_x(p_x, p_g, nw_ptr, o_k, m_m[:, None] & m_k[None, :], m_k, ss, GATED, NORM)  # [BLOCK_M, BLOCK_K]
     acc = _accumulate(acc, b_w, b_x, BLOCK_M, DOT_PRECISION)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < K
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        b_x = _load_x(p_x, p_g, o_k, m_m[:, None] & m_k[None, :], GATED)
+        b_x, ss = _load_x(p_x, p_g, nw_ptr, o_k, m_m[:, None] & m_k[None, :], m_k, ss, GATED, NORM)
         acc = _accumulate(acc, b_w, b_x, BLOCK_M, DOT_PRECISION)
     if BLOCK_M == 1:
         b_y = tl.sum(acc, axis=1)[None, :]                       # [1, BLOCK_N]
     else:
         b_y = acc                                                # [BLOCK_M, BLOCK_N]
+    if NORM != 0:       # each row's 1 / sqrt(mean square + eps)
+        b_y *= tl.math.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
     if HAS_BIAS:
         b_y += tl.load(b_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    m_y = m_m[:, None] & m_n[None, :]
+    if RESIDUAL:
+        p_r = r_ptr + o_m.to(tl.int64)[:, None] * stride_rm + o_n[None, :]
+        b_y = b_y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(p_r, mask=m_y, other=0.0).to(tl.float32)
     p_y = y_ptr + o_m.to(tl.int64)[:, None] * stride_ym + o_n[None, :]
-    tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=m_y)
 
 
 @triton.jit
-def _linear_kernel(x_ptr, g_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
-                   M, N0, N1, N2, K, stride_xm, stride_gm, stride_w0, stride_w1, stride_w2, stride_y0, stride_y1,
-                   stride_y2, NUM_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr, GATED: tl.constexpr):
+def _linear_kernel(x_ptr, g_ptr, nw_ptr, eps, r_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr,
+                   y2_ptr, M, N0, N1, N2, K, stride_xm, stride_gm, stride_rm, stride_w0, stride_w1, stride_w2,
+                   stride_y0, stride_y1, stride_y2, NUM_W: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+                   RESIDUAL: tl.constexpr):
+    # (a residual comes with one weight only: the caller checks)
     # programs [0, nb0) stream w0, the next nb1 w1, the rest w2
     i = tl.program_id(0)
     nb0 = tl.cdiv(N0, BLOCK_N)
     nb1 = tl.cdiv(N1, BLOCK_N)
     if i < nb0:
-        _linear_tile(x_ptr, g_ptr, w0_ptr, b0_ptr, y0_ptr, M, N0, K, stride_xm, stride_gm, stride_w0, stride_y0,
-                     i, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH, GATED)
+        _linear_tile(x_ptr, g_ptr, nw_ptr, eps, r_ptr, w0_ptr, b0_ptr, y0_ptr, M, N0, K, stride_xm, stride_gm,
+                     stride_rm, stride_w0, stride_y0, i, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL,
+                     PREFETCH, GATED, NORM, RESIDUAL)
     elif NUM_W == 2 or (NUM_W == 3 and i < nb0 + nb1):
-        _linear_tile(x_ptr, g_ptr, w1_ptr, b1_ptr, y1_ptr, M, N1, K, stride_xm, stride_gm, stride_w1, stride_y1,
-                     i - nb0, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH, GATED)
+        _linear_tile(x_ptr, g_ptr, nw_ptr, eps, r_ptr, w1_ptr, b1_ptr, y1_ptr, M, N1, K, stride_xm, stride_gm,
+                     stride_rm, stride_w1, stride_y1, i - nb0, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION,
+                     PDL, PREFETCH, GATED, NORM, False)
     elif NUM_W == 3:
-        _linear_tile(x_ptr, g_ptr, w2_ptr, b2_ptr, y2_ptr, M, N2, K, stride_xm, stride_gm, stride_w2, stride_y2,
-                     i - nb0 - nb1, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DOT_PRECISION, PDL, PREFETCH, GATED)
+        _linear_tile(x_ptr, g_ptr, nw_ptr, eps, r_ptr, w2_ptr, b2_ptr, y2_ptr, M, N2, K, stride_xm, stride_gm,
+                     stride_rm, stride_w2, stride_y2, i - nb0 - nb1, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS,
+                     DOT_PRECISION, PDL, PREFETCH, GATED, NORM, False)
 
 
 @dataclass(frozen=True)
@@ -162,7 +190,8 @@ def default_linear_config(m: int, n: int, k: int, itemsize: int = 2) -> LinearCo
 def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tensor, ...],
                  biases: list[torch.Tensor] | tuple[torch.Tensor, ...] | None = None, *,
                  config: LinearConfig | None = None, constant_weights: bool = False,
-                 gate: torch.Tensor | None = None) -> list[torch.Tensor]:
+                 gate: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                 norm_offset: bool = False, residual: torch.Tensor | None = None) -> list[torch.Tensor]:
     """``[x @ w.T (+ b) for w, b in zip(weights, biases)]`` in one launch.
 
     x:       [M, K], 1 <= M <= 64, contiguous rows (any row stride).
@@ -172,6 +201,10 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
                (a model's parameters): a programmatic dependent launch then loads its first
                weight tile before it waits for the kernel before it.
     gate:    None, or [M, K] of x's dtype (contiguous rows): the input is then silu(gate) * x.
+    norm_weight: None, or [K] (x's dtype or fp32): the input is then x under an RMSNorm,
+               x / sqrt(mean(x**2) + norm_eps) * w (w: norm_weight, or 1 + norm_weight
+               where ``norm_offset``); norm_eps a float > 0.
+    residual: None, or [M, N] of x's dtype (one weight only): returned is residual + x @ w.T (+ b).
     Returns new [M, N_i] tensors of x's dtype. The launch is a programmatic dependent one
     (PDL) on sm_90+ where GRAPHRT_PDL=1 or inside ``_checks.pdl_launches(True)``.
     """
@@ -203,6 +236,20 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
         check_tensor("gate", gate, dim=2, dtypes=(x.dtype,), device=x.device)
         if tuple(gate.shape) != (m, k):
             raise ValueError(f"gate must have x's shape ({m}, {k}), got {tuple(gate.shape)}")
+    if not isinstance(norm_offset, bool):
+        raise TypeError(f"norm_offset must be a bool, got {type(norm_offset).__name__}")
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, dim=1, dtypes=(x.dtype, torch.float32), device=x.device)
+        if norm_weight.shape[0] != k:
+            raise ValueError(f"norm_weight must have x's {k} columns, got {norm_weight.shape[0]}")
+        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not 0 < norm_eps < 1:
+            raise ValueError(f"norm_eps must be a float in (0, 1), got {norm_eps!r}")
+    if residual is not None:
+        if len(weights) != 1:
+            raise ValueError(f"a residual comes with one weight, got {len(weights)}")
+        check_tensor("residual", residual, dim=2, dtypes=(x.dtype,), device=x.device)
+        if tuple(residual.shape) != (m, weights[0].shape[0]):
+            raise ValueError(f"residual must have shape ({m}, {weights[0].shape[0]}), got {tuple(residual.shape)}")
     cfg = config or default_linear_config(m, sum(w.shape[0] for w in weights), k, x.element_size())
     if not isinstance(cfg, LinearConfig):
         raise TypeError(f"config must be a LinearConfig, got {type(cfg).__name__}")
@@ -218,11 +265,15 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
     n3 = [w.shape[0] for w in weights] + [0] * pad
     grid = (sum(triton.cdiv(n, cfg.block_n) for n in n3),)
     _linear_kernel[grid](
-        x, x if gate is None else gate, *w3, *b3, *y3, m, *n3, k, x.stride(0), 0 if gate is None else gate.stride(0),
+        x, x if gate is None else gate, x if norm_weight is None else norm_weight,
+        float(norm_eps) if norm_weight is not None else 0.0, x if residual is None else residual, *w3, *b3, *y3,
+        m, *n3, k, x.stride(0), 0 if gate is None else gate.stride(0), 0 if residual is None else residual.stride(0),
         *(w.stride(0) for w in w3), *(y.stride(0) for y in y3),
         NUM_W=len(weights), BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=biases is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",      # fp32 as torch's matmul: no tf32
-        PDL=pdl, PREFETCH=pdl and constant_weights, GATED=gate is not None, num_warps=cfg.num_warps,
+        PDL=pdl, PREFETCH=pdl and constant_weights, GATED=gate is not None,
+        NORM=0 if norm_weight is None else 2 if norm_offset else 1, RESIDUAL=residual is not None,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return outs

@@ -70,6 +70,47 @@ def test_small_linear_gated(dtype_tol, rows, outs, cols, device):
         small_linear(x, ws, gate=gate.double())
 
 
+@pytest.mark.parametrize("dtype_tol", DTYPES)
+@pytest.mark.parametrize("rows,outs,cols", [CASES[1], CASES[2], CASES[4]])
+@pytest.mark.parametrize("offset", [False, True], ids=["w", "1+w"])
+def test_small_linear_normed(dtype_tol, rows, outs, cols, offset, device):
+    """With a norm weight the input is x under an RMSNorm (x / sqrt(mean(x**2) + eps) times
+    w or 1 + w), against float64; with a residual (one weight) the output is residual +
+    the product rounded to x's dtype. Rows of very different scales, one all zeros."""
+    dtype, atol, rtol = dtype_tol
+    seed = fresh_seed()
+    _, gen = rngs(seed)
+    x = torch.randn(rows, cols + 3, generator=gen)[:, :cols] * torch.logspace(-2, 2, rows)[:, None]
+    x[-1] = 0.0
+    x = x.to(device=device, dtype=dtype)
+    nw = (torch.randn(cols, generator=gen) / 2 + (0 if offset else 1)).to(device=device, dtype=dtype)
+    ws = [(torch.randn(n, cols, generator=gen) / 4).to(device=device, dtype=dtype) for n in outs]
+    bs = [torch.randn(n, generator=gen).to(device=device, dtype=dtype) for n in outs]
+    eps = 1e-5
+    xd = x.double()
+    xn = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * (nw.double() + (1 if offset else 0))
+    for cfg in CONFIGS:
+        got = small_linear(x, ws, bs, config=cfg, norm_weight=nw, norm_eps=eps, norm_offset=offset)
+        for i, (y, w) in enumerate(zip(got, ws)):
+            assert_close(f"y[{i}] ({cfg})", y, xn @ w.double().T + bs[i].double(), atol, rtol, seed)
+    r = torch.randn(rows, outs[0], generator=gen).to(device=device, dtype=dtype)
+    (y,) = small_linear(x, ws[:1], bs[:1], norm_weight=nw.float(), norm_eps=eps, norm_offset=offset, residual=r)
+    plain = (xn @ ws[0].double().T + bs[0].double()).to(dtype)
+    assert_close("residual + y", y, r.double() + plain.double(), atol, rtol, seed)
+    (y,) = small_linear(x, ws[:1], residual=r)                          # a residual alone
+    assert_close("residual + x @ w.T", y, r.double() + (xd @ ws[0].double().T).to(dtype).double(), atol, rtol, seed)
+    with pytest.raises(ValueError, match="a residual comes with one weight"):
+        small_linear(x, [ws[0], ws[0]], residual=r)
+    with pytest.raises(ValueError, match="residual must have shape"):
+        small_linear(x, ws[:1], residual=r[:, :-1])
+    with pytest.raises(ValueError, match="norm_weight must have x's"):
+        small_linear(x, ws, norm_weight=nw[:-1])
+    with pytest.raises(ValueError, match="norm_eps must be a float"):
+        small_linear(x, ws, norm_weight=nw, norm_eps=0.0)
+    with pytest.raises(TypeError, match="norm_offset must be a bool"):
+        small_linear(x, ws, norm_weight=nw, norm_offset=1)
+
+
 def test_small_linear_refuses_bad_input(device):
     x = torch.zeros(2, 8, device=device)
     w = torch.zeros(4, 8, device=device)
