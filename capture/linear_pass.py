@@ -13,9 +13,17 @@ and at 2 to 32 rows a group that shares its input (q/k/v: 7.6 µs against three 
 launches' 17.8) or an output of 32768 rows or more (the LM head), where single narrow
 projections stay with cuBLAS (o: 6.4 µs against graphrt's 6.9).
 
-A matmul whose input is a SwiGLU product ``silu(g) * u`` (the MLP's down projection) takes g
-and u instead: the kernel forms the product as it loads its input, and the elementwise
-kernel that made it goes (at any number of rows up to 32: that launch is saved too).
+Around the matmuls, the elementwise work of a decoder layer joins the launches (each
+found in the forms a traced model's graph holds; a form not recognised stays as it was):
+- a matmul whose input is a SwiGLU product ``silu(g) * u`` (the MLP's down projection)
+  takes g and u, the product formed as the kernel loads its input (at any number of rows
+  up to 32, that launch being saved too);
+- a matmul (or group) whose input is an RMSNorm of h (``w * (h / rms(h))`` in h's dtype,
+  Llama's form, or ``h / rms(h) * (1 + w)``, Gemma's) takes h and the norm's weight;
+- a one-weight launch whose output is added to a residual (``h + o``, the residual stream)
+  adds it in its epilogue.
+With both of the last two, a layer's residual add and the norm after it (one Inductor
+kernel) go: a Llama layer's decode step at one row runs six launches where it ran nine.
 """
 
 from __future__ import annotations
@@ -97,6 +105,74 @@ def _silu_of(node: object, dtype: torch.dtype):
     return c if cv is not None and cv.dtype == dtype else None
 
 
+def _call(n: object, *targets) -> bool:
+    return isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in targets and not n.kwargs
+
+
+def _rms(node: object):
+    """(h, eps) where ``node`` is h / sqrt(mean(h**2, last dim) + eps) in fp32 (h converted
+    to fp32, or fp32 already); else None."""
+    if not _call(node, aten.mul.Tensor):
+        return None
+    for cf, rs in (node.args, node.args[::-1]):
+        if not _call(rs, aten.rsqrt.default) or not _call(rs.args[0], aten.add.Tensor):
+            continue
+        mean, eps = rs.args[0].args
+        if not isinstance(eps, float) or not 0 < eps < 1 or not _call(mean, aten.mean.dim):
+            continue
+        sq, dims, keep = (*mean.args, False)[:3]
+        cv = _val(cf)
+        if cv is None or cv.dtype != torch.float32 or keep is not True or list(dims) not in ([-1], [cv.dim() - 1]):
+            continue
+        if not (_call(sq, aten.pow.Tensor_Scalar) and sq.args[0] is cf and sq.args[1] == 2):
+            continue
+        h = cf.args[0] if _call(cf, _CONVERT) else cf
+        return h, eps
+    return None
+
+
+def _rms_norm(x: torch.fx.Node):
+    """(h, w, eps, offset) where ``x`` is (a view of) an RMSNorm of h in x's dtype: Llama's
+    ``w * (h / rms(h)).to(dtype)`` (offset False) or Gemma's ``(h / rms(h) * (1 + w.float())).to(dtype)``
+    (offset True), h of x's dtype and contiguous, w a [K] vector; else None."""
+    xv = _val(x)
+    node = _through_views(x)
+    found = None
+    if _call(node, aten.mul.Tensor) and all(isinstance(a, torch.fx.Node) for a in node.args):
+        for w, c in (node.args, node.args[::-1]):        # Llama: w * convert(h / rms(h), dtype)
+            if _call(c, _CONVERT) and c.args[1] == xv.dtype and _rms(c.args[0]) is not None:
+                found = (*_rms(c.args[0]), w, False)
+                break
+    elif _call(node, _CONVERT) and node.args[1] == xv.dtype and _call(node.args[0], aten.mul.Tensor):
+        for t, plus in (node.args[0].args, node.args[0].args[::-1]):   # Gemma: convert(h / rms(h) * (1 + w), dtype)
+            if _rms(t) is not None and _call(plus, aten.add.Tensor) and 1 in plus.args:
+                w = plus.args[0] if plus.args[1] == 1 else plus.args[1]
+                w = w.args[0] if _call(w, _CONVERT) and w.args[1] == torch.float32 else w
+                found = (*_rms(t), w, True)
+                break
+    if found is None:
+        return None
+    h, eps, w, offset = found
+    hv, wv = _val(h), _val(w)
+    if hv is None or wv is None or not isinstance(w, torch.fx.Node) or hv.dtype != xv.dtype or \
+            not hv.is_contiguous() or hv.numel() != xv.numel() or hv.shape[-1] != xv.shape[-1] or \
+            wv.dim() != 1 or wv.shape[0] != xv.shape[-1] or wv.dtype not in (xv.dtype, torch.float32) or \
+            wv.device != xv.device or hv.device != xv.device:
+        return None
+    return h, w, eps, offset
+
+
+def _prologue(x: torch.fx.Node):
+    """What the kernel computes its input from, where not x itself: ("gate", u, g) for a
+    SwiGLU product (``_swiglu``), ("norm", h, w, eps, offset) for an RMSNorm
+    (``_rms_norm``); else None."""
+    found = _swiglu(x)
+    if found is not None:
+        return ("gate", *found)
+    found = _rms_norm(x)
+    return None if found is None else ("norm", *found)
+
+
 def _swiglu(x: torch.fx.Node):
     """(u, g) where ``x`` is (a view of) silu(g) * u, both of x's shape, dtype and
     contiguous, as the model's tensors (the caller views them as x); else None."""
@@ -120,8 +196,8 @@ def _swiglu(x: torch.fx.Node):
 
 
 def _candidate(node: torch.fx.Node, devices: tuple[str, ...]):
-    """(x, w, bias or None, (u, g) or None) where ``node`` is x @ w.T (+ bias) that
-    small_linear can run; the last, where x is silu(g) * u (``_swiglu``)."""
+    """(x, w, bias or None, prologue or None) where ``node`` is x @ w.T (+ bias) that
+    small_linear can run; the last, what x is made of (``_prologue``)."""
     if node.op != "call_function" or node.kwargs:
         return None
     if node.target is aten.mm.default:
@@ -144,7 +220,7 @@ def _candidate(node: torch.fx.Node, devices: tuple[str, ...]):
         return None
     if bias is not None and (bv.dim() != 1 or bv.shape[0] != wv.shape[0] or bv.dtype != xv.dtype):
         return None
-    return x, w, bias, _swiglu(x)
+    return x, w, bias, _prologue(x)
 
 
 def _input_key(x: torch.fx.Node):
@@ -194,18 +270,21 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
                                and order[m[2]] < order[first[0]]
                                and (m[3] is None or order[m[3]] < order[first[0]])][:2]
             members = [m for m in members if m not in group]
-            x, swiglu = first[1], first[4]    # the first matmul's input: defined before it
+            x, pro = first[1], first[4]       # the first matmul's input: defined before it
             rows = _val(x).shape[0]
             wide = sum(_val(m[2]).shape[0] for m in group) >= WIDE_OUTPUT
-            if rows > 1 and len(group) == 1 and not wide and swiglu is None:
+            if rows > 1 and len(group) == 1 and not wide and (pro is None or pro[0] != "gate"):
                 continue                      # one narrow weight over several rows: cuBLAS is faster
             with graph.inserting_before(first[0]):
-                args = (x, [m[2] for m in group], [m[3] for m in group], all(_constant(m[2]) for m in group))
-                if swiglu is not None:        # u and g viewed as x: the call takes (u, ..., gate=g)
-                    u, g = (graph.call_function(aten.reshape.default, (t, list(_val(x).shape))) for t in swiglu)
-                    u.meta["val"], g.meta["val"] = (_val(t).reshape(_val(x).shape) for t in swiglu)
-                    args = (u, *args[1:], g)
-                call = graph.call_function(torch.ops.graphrt.small_linear.default, args)
+                # the call's arguments: x, weights, biases, constant_weights, gate, norm_weight,
+                # norm_eps, norm_offset, residual (set by _add_residuals)
+                args = [x, [m[2] for m in group], [m[3] for m in group], all(_constant(m[2]) for m in group),
+                        None, None, 1e-6, False, None]
+                if pro is not None and pro[0] == "gate":     # u and g viewed as x: (u, ..., gate=g)
+                    args[0], args[4] = (_view_as(graph, t, x) for t in pro[1:])
+                elif pro is not None:                        # h viewed as x, the norm's weight, eps, offset
+                    args[0], args[5:8] = _view_as(graph, pro[1], x), pro[2:]
+                call = graph.call_function(torch.ops.graphrt.small_linear.default, tuple(args))
                 call.meta["val"] = [_val(m[0]) for m in group]
                 for i, (mm, *_rest) in enumerate(group):
                     item = graph.call_function(operator.getitem, (call, i))
@@ -214,9 +293,44 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
             for mm, *_rest in group:
                 inputs = mm.all_input_nodes
                 graph.erase_node(mm)
-                _drop_unused(graph, inputs)   # the transposed weight; a SwiGLU product now unread
+                _drop_unused(graph, inputs)   # the transposed weight; a SwiGLU product, a norm now unread
                 replaced += 1
+    _add_residuals(graph)
     return replaced
+
+
+def _view_as(graph: torch.fx.Graph, t: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
+    """A reshape of ``t`` to ``like``'s shape, inserted at the graph's insertion point."""
+    node = graph.call_function(aten.reshape.default, (t, list(_val(like).shape)))
+    node.meta["val"] = _val(t).reshape(_val(like).shape)
+    return node
+
+
+def _add_residuals(graph: torch.fx.Graph) -> None:
+    """Each one-weight small_linear call whose output (through one view) is read only by
+    ``r + y`` (r of y's shape and dtype, contiguous, defined before the call) adds r in its
+    epilogue: the add's readers read the view of the call's output instead."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for call in [n for n in graph.nodes if n.target is torch.ops.graphrt.small_linear.default]:
+        if len(call.args[1]) != 1 or call.args[8] is not None or len(call.users) != 1:
+            continue
+        (item,) = call.users
+        view = next(iter(item.users)) if len(item.users) == 1 else None
+        if not _call(view, *_VIEWS) or len(view.users) != 1:
+            continue
+        (add,) = view.users
+        if not _call(add, aten.add.Tensor) or view not in add.args or len(set(add.args)) != 2:
+            continue
+        r = add.args[0] if add.args[1] is view else add.args[1]
+        rv, vv, av = _val(r), _val(view), _val(add)
+        if not isinstance(r, torch.fx.Node) or rv is None or vv is None or av is None or \
+                tuple(rv.shape) != tuple(vv.shape) or rv.dtype != vv.dtype or av.dtype != vv.dtype or \
+                not rv.is_contiguous() or order.get(r, len(order)) >= order[call]:
+            continue
+        with graph.inserting_before(call):
+            call.update_arg(8, _view_as(graph, r, item))
+        add.replace_all_uses_with(view)
+        graph.erase_node(add)
 
 
 def _drop_unused(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:

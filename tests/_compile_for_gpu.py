@@ -69,17 +69,21 @@ def _variants():
     yield ks._uniform_kernel, {"seed_ptr": ptr("i64"), "counter_ptr": ptr("i64"), "out_ptr": ptr("fp32"), "N": "i32",
                                "BLOCK": "constexpr"}, {"BLOCK": 16}
     # small_linear as a programmatic dependent launch (CompileOptions(pdl=True)), one row and 16
-    lin = {name: ptr("bf16") for name in ("x_ptr", "g_ptr", "w0_ptr", "w1_ptr", "w2_ptr", "b0_ptr", "b1_ptr", "b2_ptr",
-                                          "y0_ptr", "y1_ptr", "y2_ptr")}
-    lin.update({name: "i32" for name in ("M", "N0", "N1", "N2", "K", "stride_xm", "stride_gm", "stride_w0",
-                                          "stride_w1", "stride_w2", "stride_y0", "stride_y1", "stride_y2")})
+    lin = {name: ptr("bf16") for name in ("x_ptr", "g_ptr", "nw_ptr", "r_ptr", "w0_ptr", "w1_ptr", "w2_ptr",
+                                          "b0_ptr", "b1_ptr", "b2_ptr", "y0_ptr", "y1_ptr", "y2_ptr")}
+    lin["eps"] = "fp32"
+    lin.update({name: "i32" for name in ("M", "N0", "N1", "N2", "K", "stride_xm", "stride_gm", "stride_rm",
+                                          "stride_w0", "stride_w1", "stride_w2", "stride_y0", "stride_y1",
+                                          "stride_y2")})
     lin.update({name: "constexpr" for name in ("NUM_W", "BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_BIAS",
-                                               "DOT_PRECISION", "PDL", "PREFETCH", "GATED")})
+                                               "DOT_PRECISION", "PDL", "PREFETCH", "GATED", "NORM",
+                                               "RESIDUAL")})
     for block_m, block_n, block_k in ((1, 4, 1024), (16, 32, 256)):
-        for prefetch in (False, True):      # (gated: a SwiGLU down projection, prefetching or not)
+        for prefetch in (False, True):      # gated + residual (a down projection), or normed (q/k/v)
             yield klin._linear_kernel, lin, {"NUM_W": 3, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                                              "HAS_BIAS": False, "DOT_PRECISION": "tf32", "PDL": True,
-                                             "PREFETCH": prefetch, "GATED": prefetch}
+                                             "PREFETCH": prefetch, "GATED": prefetch, "NORM": 0 if prefetch else 2,
+                                             "RESIDUAL": prefetch}
     for has_ids in (False, True):
         yield kspec._place_kernel, {"request_ptr": ptr("i32"), "offset_ptr": ptr("i32"), "length_ptr": ptr("i32"),
                                     "num_requests": "i32", "qsl_ptr": ptr("i32"), "seq_lens_ptr": ptr("i32"),

@@ -184,7 +184,7 @@ def test_linear_pass_groups_shared_inputs(rows, device):
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.graphrt.small_linear.default]
     mms = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
     assert all(c.args[3] is True for c in calls), [c.args for c in calls]   # the weights: inputs none writes
-    gated = [len(c.args) == 5 for c in calls]       # the down projection takes silu(g) * u's g and u
+    gated = [c.args[4] is not None for c in calls]   # the down projection takes silu(g) * u's g and u
     muls = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mul.Tensor, torch.ops.aten.silu.default)]
     if rows == 1:
         assert (replaced, [len(c.args[1]) for c in calls], len(mms)) == (8, [3, 1, 2, 1, 1], 0)
@@ -224,6 +224,75 @@ def test_linear_pass_finds_the_swiglu_product(form):
     found = _swiglu(mul)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert found == (None if form == "not-silu" else (placeholders[1], placeholders[0])), (found, targets)
+
+
+def _rms_norm(h, w, offset):
+    """RMSNorm as transformers writes it: Llama's (w * normed.to(dtype)), Gemma's (1 + w)."""
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return (normed * (1.0 + w.float())).type_as(h) if offset else w * normed.to(h.dtype)
+
+
+def _decoder(offset, h, lm, fw, *layers):
+    """Two pre-norm decoder layers (residual stream, RMSNorm, q/k/v, a stand-in for
+    attention, o, RMSNorm, SwiGLU MLP) and the final norm and LM head."""
+    import torch.nn.functional as F
+
+    for nw1, wq, wk, wv, wo, nw2, wg, wu, wd in (layers[:9], layers[9:]):
+        x = _rms_norm(h, nw1, offset)
+        q, k, v = F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
+        h = h + F.linear(q * torch.sigmoid(k.mean(-1, keepdim=True)) + v.mean(-1, keepdim=True), wo)
+        x = _rms_norm(h, nw2, offset)
+        h = h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    return F.linear(_rms_norm(h, fw, offset), lm)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("offset", [False, True], ids=["llama-norm", "gemma-norm"])
+def test_linear_pass_takes_in_norms_and_residual_adds(rows, offset, device):
+    """A decoder's graph through Inductor's decompositions: each RMSNorm before a launch is
+    computed in it, each residual add after a one-weight launch in its epilogue, the SwiGLU
+    product in the down projection; what is left computes what the graph did, as near to
+    float64 as the graph itself."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphrt.capture.linear_pass import group_small_linears
+
+    seed = fresh_seed()
+    _, gen = rngs(seed)
+    hidden, heads, inter, vocab = 64, 16, 96, 100
+    layer = [(hidden,), (hidden, hidden), (heads, hidden), (heads, hidden), (hidden, hidden), (hidden,),
+             (inter, hidden), (inter, hidden), (hidden, inter)]
+    shapes = [(vocab, hidden), (hidden,)] + layer * 2
+    args = [torch.randn(1, rows, hidden, generator=gen).to(device, torch.float16)]
+    for sh in shapes:
+        t = torch.randn(*sh, generator=gen) / (4 if len(sh) == 2 else 2)
+        args.append((t + (0 if offset else 1) if len(sh) == 1 else t).to(device, torch.float16))
+    table = {k: v for k, v in select_decomp_table().items() if k not in (torch.ops.aten.mm.default,)}
+    gm = make_fx(lambda *a: _decoder(offset, *a), decomposition_table=table)(*args)
+    gm.graph.eliminate_dead_code()
+    want = gm(*args)
+    replaced = group_small_linears(gm.graph, devices=(device.type,))
+    gm.graph.lint()
+    gm.recompile()
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.graphrt.small_linear.default]
+    count = {t: sum(n.target is t for n in gm.graph.nodes)
+             for t in (torch.ops.aten.mm.default, torch.ops.aten.rsqrt.default, torch.ops.aten.add.Tensor)}
+    # per call: weights, gated, normed, residual
+    got = [(len(c.args[1]), c.args[4] is not None, c.args[5] is not None, c.args[8] is not None) for c in calls]
+    if rows == 1:     # q/k/v (norm), o (+ residual), gate/up (norm), down (SwiGLU, + residual); the head (norm)
+        assert got == [(3, False, True, False), (1, False, False, True), (2, False, True, False),
+                       (1, True, False, True)] * 2 + [(1, False, True, False)], got
+        assert (replaced, count[torch.ops.aten.mm.default], count[torch.ops.aten.rsqrt.default]) == (15, 0, 0)
+    else:             # o and the narrow head stay with cuBLAS: their residual add and the final norm stay
+        assert got == [(3, False, True, False), (2, False, True, False), (1, True, False, True)] * 2, got
+        assert (replaced, count[torch.ops.aten.mm.default], count[torch.ops.aten.rsqrt.default]) == (12, 3, 1)
+    # against float64: within a few times the fp16 graph's own error (the fused kernels round
+    # less often; which of the two lands nearer differs from seed to seed)
+    exact = _decoder(offset, *[a.double() for a in args])
+    own, fused = ((t.double() - exact).abs().max().item() for t in (want, gm(*args)))
+    assert fused <= 3 * own + 1e-3 * exact.abs().max().item(), (fused, own, seed)
 
 
 def test_linear_pass_never_groups_across_a_write(device):
