@@ -56,8 +56,21 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _CONVERT = torch.ops.prims.convert_element_type.default
 
 
+def _whole_slice(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a slice that keeps all of its input (``h[:, -0:]``, say)."""
+    if node.target is not aten.slice.Tensor or node.kwargs:
+        return False
+    args = node.args
+    t, dim = args[0], args[1] if len(args) > 1 else 0
+    start, end = args[2] if len(args) > 2 else None, args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    tv = _val(t)
+    return tv is not None and start in (None, 0) and step == 1 and (end is None or end >= tv.shape[dim])
+
+
 def _through_views(node: object) -> object:
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEWS:
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and (
+            node.target in _VIEWS or node.target is aten.alias.default or _whole_slice(node)):
         node = node.args[0]
     return node
 

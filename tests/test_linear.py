@@ -295,6 +295,68 @@ def test_linear_pass_takes_in_norms_and_residual_adds(rows, offset, device):
     assert fused <= 3 * own + 1e-3 * exact.abs().max().item(), (fused, own, seed)
 
 
+LAYER_CALLS = {   # per layer: (weights, gated, normed, residual) of each launch the pass makes
+    ("llama", 1): [(3, False, True, False), (1, False, False, True), (2, False, True, False), (1, True, False, True)],
+    ("llama", 8): [(3, False, True, False), (2, False, True, False), (1, True, False, True)],
+    # Gemma 3: its norms after attention and the MLP sit between o / down and the residual
+    # add, and its MLP's activation is a GELU: only the norms before q/k/v and gate/up go in
+    ("gemma3", 1): [(3, False, True, False), (1, False, False, False), (2, False, True, False), (1, False, False, False)],
+    ("gemma3", 8): [(3, False, True, False), (2, False, True, False)],
+}
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_linear_pass_on_transformers_decoders(family, rows, device):
+    """The pass on the forward graph AOTAutograd makes of a transformers decoder (fp16,
+    Inductor's decompositions, the graph Inductor's post-grad passes start from): the
+    launches it makes per layer (the LM head takes the final norm at one row), and logits
+    as near to transformers' fp32 forward as transformers' own fp16 forward is."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    from graphrt.capture.linear_pass import group_small_linears
+
+    if family == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            vocab_size=100, sliding_window=8)
+        cls = transformers.Gemma3ForCausalLM
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    half = cls(cfg).eval()
+    half.load_state_dict(model.state_dict())
+    model, half = model.to(device), half.to(device, torch.float16)
+    ids = torch.randint(0, 100, (1, rows)).to(device)
+    calls = []
+
+    def compiler(gm, example_inputs):
+        group_small_linears(gm.graph, devices=(device.type,))
+        gm.recompile()
+        calls.extend((len(n.args[1]), n.args[4] is not None, n.args[5] is not None, n.args[8] is not None)
+                     for n in gm.graph.nodes if n.target is torch.ops.graphrt.small_linear.default)
+        return gm
+
+    table = {k: v for k, v in select_decomp_table().items() if k is not torch.ops.aten.mm.default}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        exact = model(ids).logits.double()
+        own = half(ids).logits
+        fused = torch.compile(lambda i: half(i, use_cache=False).logits, fullgraph=True,
+                              backend=aot_autograd(fw_compiler=compiler, decompositions=table))(ids)
+    torch._dynamo.reset()
+    head = [(1, False, True, False)] if rows == 1 else []      # at 8 rows the narrow head stays with cuBLAS
+    assert calls == LAYER_CALLS[family, rows] * 2 + head, calls
+    own_err, fused_err = ((t.double() - exact).abs().max().item() for t in (own, fused))
+    assert fused_err <= 3 * own_err + 1e-3 * exact.abs().max().item(), (fused_err, own_err, seed)
+
+
 def test_linear_pass_never_groups_across_a_write(device):
     """Two matmuls of one input with an in-place write to it in between (a graph that is not
     functional) stay two launches, each reading what it read before the rewrite."""
