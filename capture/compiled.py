@@ -58,6 +58,9 @@ class CompileOptions:
     small_linear: with Inductor, run the step's fp16/bf16 matmuls of at most 32 rows
                through graphrt's ``small_linear`` where it measured faster than cuBLAS, the
                ones that share an input in one launch (``graphrt.capture.linear_pass``).
+    linear_fusions: with small_linear, also move the RMSNorms before those launches, the
+               residual adds after them and SwiGLU products into them (the same pass; on by
+               default; False keeps those as Inductor's kernels, to compare).
     pdl:       launch the compiled steps' kernels as programmatic dependents of the kernel
                before them (sm_90+): Inductor's (``triton.enable_pdl``) and graphrt's own
                (attention, KV write, small_linear), so that a kernel of a decode step is set
@@ -75,6 +78,7 @@ class CompileOptions:
     attention_calls: int | None = None
     small_linear: bool = True
     kinds: tuple = KINDS
+    linear_fusions: bool = True
     pdl: bool = False
 
     def __post_init__(self):
@@ -99,8 +103,9 @@ class CompileOptions:
             if not hasattr(inductor_config.triton, "enable_pdl"):
                 raise ValueError(f"CompileOptions.pdl needs Inductor's triton.enable_pdl, which torch "
                                  f"{torch.__version__} lacks")
-        if not isinstance(self.small_linear, bool):
-            raise TypeError(f"CompileOptions.small_linear must be a bool, got {type(self.small_linear).__name__}")
+        for name in ("small_linear", "linear_fusions"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"CompileOptions.{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.small_linear and "post_grad_custom_pre_pass" in (self.options or {}):
             raise ValueError("CompileOptions.options sets post_grad_custom_pre_pass, which small_linear uses: "
                              "pass small_linear=False to run your own pass there")
@@ -159,7 +164,7 @@ class StepCompiler:
         if options.backend == "inductor" and options.small_linear:
             from .linear_pass import SmallLinearPass
 
-            self._linear_pass = SmallLinearPass()
+            self._linear_pass = SmallLinearPass(fusions=options.linear_fusions)
         self._compiled = torch.compile(step_fn, backend=self._backend, dynamic=False, fullgraph=options.fullgraph)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):

@@ -256,9 +256,10 @@ def _constant(w: torch.fx.Node) -> bool:
     return w.op in ("placeholder", "get_attr") and not any(_mutates(u) for u in w.users)
 
 
-def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",)) -> int:
+def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",), fusions: bool = True) -> int:
     """Rewrite ``graph`` in place (see the module's docstring); returns how many matmuls
-    went to small_linear."""
+    went to small_linear. ``fusions``: False leaves norms, residual adds and SwiGLU products
+    out of the launches (the grouping alone)."""
     import graphrt.kernels.ops  # noqa: F401  (registers torch.ops.graphrt.small_linear)
 
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -271,6 +272,8 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
     by_input: dict[torch.fx.Node, list] = {}
     for node in graph.nodes:
         found = _candidate(node, devices)
+        if found is not None and not fusions:
+            found = (*found[:3], None)
         if found is not None:
             by_input.setdefault((_input_key(found[0]), found[3]), []).append((node, *found))
     replaced = 0
@@ -309,7 +312,8 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
                 graph.erase_node(mm)
                 _drop_unused(graph, inputs)   # the transposed weight; a SwiGLU product, a norm now unread
                 replaced += 1
-    _add_residuals(graph)
+    if fusions:
+        _add_residuals(graph)
     return replaced
 
 
@@ -362,13 +366,14 @@ class SmallLinearPass(CustomGraphPass):
     """``group_small_linears`` as Inductor's ``post_grad_custom_pre_pass`` (its uuid, from
     this file and the kernel's, keys Inductor's on-disk cache)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fusions: bool = True) -> None:
+        self.fusions = fusions
         self.replaced = 0          # matmuls rewritten by the compiles this pass ran in
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.replaced += group_small_linears(graph)
+        self.replaced += group_small_linears(graph, fusions=self.fusions)
 
     def uuid(self) -> bytes:
         from graphrt.kernels import linear
 
-        return get_hash_for_files((__file__, linear.__file__))
+        return get_hash_for_files((__file__, linear.__file__)) + (b"+fusions" if self.fusions else b"")

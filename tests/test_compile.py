@@ -194,6 +194,8 @@ def test_compile_options_refused(kwargs, match):
     CompileOptions(small_linear=False, options={"post_grad_custom_pre_pass": None})    # their own pass: fine
     with pytest.raises(TypeError, match="pdl must be a bool"):
         CompileOptions(pdl=1)
+    with pytest.raises(TypeError, match="linear_fusions must be a bool"):
+        CompileOptions(linear_fusions="no")
 
 
 def test_pdl_launches_sets_the_switch_for_its_block_only(monkeypatch):
@@ -227,11 +229,14 @@ def test_pdl_launches_sets_the_switch_for_its_block_only(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("small_linear", [True, False], ids=["small-linear", "cublas"])
-def test_compiled_decoder_runs_small_linear(small_linear):
+@pytest.mark.parametrize("small_linear,fusions", [(True, True), (True, False), (False, False)],
+                         ids=["small-linear", "small-linear-unfused", "cublas"])
+def test_compiled_decoder_runs_small_linear(small_linear, fusions):
     """A bf16 Llama compiled by the Runtime: with ``small_linear`` (the default) its replayed
     decode step runs graphrt's linear kernel (q/k/v and gate/up grouped: fewer matmul launches
-    than without) and gives the uncompiled loop's greedy tokens."""
+    than without) and gives the uncompiled loop's greedy tokens; with its fusions (the
+    default) the step makes fewer launches than without them (norms, residual adds and the
+    SwiGLU product inside the linear launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     from graphrt.bench.model import QUICK, GraphrtLoop, build, prompts
@@ -239,17 +244,26 @@ def test_compiled_decoder_runs_small_linear(small_linear):
     dev = torch.device("cuda")
     hf = build("llama-tiny", QUICK["llama-tiny"], dev, torch.bfloat16)
     ids, _ = prompts(hf, 4, 24, 0)
-    loops = [GraphrtLoop(hf, 4, 24, 8, dev, chunk=64, compile=c)
-             for c in (CompileOptions(small_linear=small_linear), False)]
+    options = [CompileOptions(small_linear=small_linear, linear_fusions=fusions)]
+    if fusions:
+        options.append(CompileOptions(linear_fusions=False))
+    loops = [GraphrtLoop(hf, 4, 24, 8, dev, chunk=64, compile=c) for c in (*options, False)]
     firsts = [loop.prefill(ids, None) for loop in loops]
     tokens = [loop.decode(first, 6) for loop, first in zip(loops, firsts)]
-    assert torch.equal(tokens[0], tokens[1]), f"compiled {tokens[0].tolist()} != eager {tokens[1].tolist()}"
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        loops[0].decode(firsts[0], 1)
-        torch.cuda.synchronize()
-    names = [e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert torch.equal(tokens[0], tokens[-1]), f"compiled {tokens[0].tolist()} != eager {tokens[-1].tolist()}"
+    launches = []
+    for loop, first in zip(loops[:-1], firsts):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            loop.decode(first, 1)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        launches.append(sum(e.count for e in events))
+        if len(launches) == 1:
+            names = [e.key for e in events]
     linear = [n for n in names if "_linear_kernel" in n]
     assert bool(linear) == small_linear, names
+    if fusions:
+        assert launches[0] < launches[1], launches      # fused, unfused
     record = loops[0].rt.compiler.records
     assert all(r.attention_ops == 2 for r in record.values()), [str(r) for r in record.values()]
 

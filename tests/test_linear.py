@@ -293,6 +293,12 @@ def test_linear_pass_takes_in_norms_and_residual_adds(rows, offset, device):
     exact = _decoder(offset, *[a.double() for a in args])
     own, fused = ((t.double() - exact).abs().max().item() for t in (want, gm(*args)))
     assert fused <= 3 * own + 1e-3 * exact.abs().max().item(), (fused, own, seed)
+    # without its fusions the pass groups alone: every norm and add stays
+    gm = make_fx(lambda *a: _decoder(offset, *a), decomposition_table=table)(*args)
+    group_small_linears(gm.graph, devices=(device.type,), fusions=False)
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.graphrt.small_linear.default]
+    assert calls and all(tuple(c.args[4:]) == (None, None, 1e-6, False, None) for c in calls), calls
+    assert sum(n.target is torch.ops.aten.rsqrt.default for n in gm.graph.nodes) == 5
 
 
 LAYER_CALLS = {   # per layer: (weights, gated, normed, residual) of each launch the pass makes
@@ -300,7 +306,8 @@ LAYER_CALLS = {   # per layer: (weights, gated, normed, residual) of each launch
     ("llama", 8): [(3, False, True, False), (2, False, True, False), (1, True, False, True)],
     # Gemma 3: its norms after attention and the MLP sit between o / down and the residual
     # add, and its MLP's activation is a GELU: only the norms before q/k/v and gate/up go in
-    ("gemma3", 1): [(3, False, True, False), (1, False, False, False), (2, False, True, False), (1, False, False, False)],
+    ("gemma3", 1): [(3, False, True, False), (1, False, False, False), (2, False, True, False),
+                    (1, False, False, False)],
     ("gemma3", 8): [(3, False, True, False), (2, False, True, False)],
 }
 

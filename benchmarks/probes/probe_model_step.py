@@ -4,9 +4,11 @@ and compiled (``Runtime(compile=True)``)? The bench model's llama-1b at batch 1 
 kind: graphrt's attention, graphrt's small_linear, cuBLAS GEMMs, Inductor's fused Triton kernels, other; and the step's
 wall time over those kernels' sum (what is left is gaps between graph nodes). ``--model`` picks
 another of the bench's models (llama-8b, gemma3-4b: its prompts hold an image), ``--compiled-only``
-skips the eager loop.
+skips the eager loop; ``--fusions both`` runs the compiled loop with the linear pass's fusions
+(norms, residual adds, SwiGLU products inside its launches) and without, one after the other.
 
-    python3 benchmarks/probes/probe_model_step.py [--model llama-1b] [--batches 1,8] [--compiled-only] [--out DIR]
+    python3 benchmarks/probes/probe_model_step.py [--model llama-1b] [--batches 1,8] [--compiled-only]
+        [--pdl] [--fusions on|off|both] [--out DIR]
 """
 
 from __future__ import annotations
@@ -40,11 +42,15 @@ def main() -> None:
                         help='Inductor config overrides for the compiled loop, JSON, e.g. \'{"triton.enable_pdl": true}\'')
     parser.add_argument("--pdl", action="store_true", help="CompileOptions(pdl=True): every kernel a programmatic "
                                                                "dependent launch")
+    parser.add_argument("--fusions", choices=("on", "off", "both"), default="on",
+                        help="CompileOptions.linear_fusions for the compiled loop (both: a row each)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from graphrt.capture import CompileOptions
 
-    compile_on = CompileOptions(options=json.loads(args.options) if args.options else None, pdl=args.pdl)
+    fusions = {"on": (True,), "off": (False,), "both": (True, False)}[args.fusions]
+    compiled_variants = [CompileOptions(options=json.loads(args.options) if args.options else None, pdl=args.pdl,
+                                        linear_fusions=f) for f in fusions]
     from torch.profiler import ProfilerActivity, profile
 
     from graphrt.bench.model import CONFIGS, GraphrtLoop, build, prompts
@@ -53,8 +59,9 @@ def main() -> None:
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         ids, pixels = prompts(hf, batch, 512, 0)
-        for compiled in (True,) if args.compiled_only else (False, True):
-            loop = GraphrtLoop(hf, batch, 512, 16, torch.device("cuda"), chunk=4096, compile=compile_on if compiled else False)
+        for compile_on in ([] if args.compiled_only else [False]) + compiled_variants:
+            compiled = compile_on is not False
+            loop = GraphrtLoop(hf, batch, 512, 16, torch.device("cuda"), chunk=4096, compile=compile_on)
             features = None if pixels is None else [
                 loop.lm.image_features(pixels[i: i + 1].to("cuda", torch.bfloat16)) for i in range(batch)]
             first = loop.prefill(ids, features)
@@ -79,7 +86,9 @@ def main() -> None:
             # each kernel name: µs a step, launches a step, µs a launch (the heaviest 30)
             top = [[round(us, 1), n, round(us / max(n, 1e-9), 2), name]
                    for us, n, name in sorted(by_name, reverse=True)[:30]]
-            row = dict(model=args.model, batch=batch, compiled=compiled, options=args.options if compiled else None, pdl=args.pdl and compiled, wall_us=wall_us, kernel_us=kernel_us,
+            row = dict(model=args.model, batch=batch, compiled=compiled, options=args.options if compiled else None,
+                       pdl=args.pdl and compiled, linear_fusions=compiled and compile_on.linear_fusions,
+                       wall_us=wall_us, kernel_us=kernel_us,
                        kernels_per_step=count / 4, **{f"{k} us": v for k, v in sorted(by_kind.items())}, top=top)
             rows.append(row)
             print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items() if k != "top"}),
