@@ -88,39 +88,42 @@ def _silu_of(node: object, dtype: torch.dtype):
         node = node.args[0]
     elif _val(node) is None or _val(node).dtype != dtype:
         return None
-
-    def call(n, *targets):
-        return isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in targets and not n.kwargs
-
     c = None
-    if call(node, aten.silu.default):
+    if _call(node, aten.silu.default):
         c = node.args[0]
-    elif call(node, aten.div.Tensor):
+    elif _call(node, aten.div.Tensor):
         c, den = node.args
-        one_plus = call(den, aten.add.Tensor) and (
-            (den.args[1] == 1 and call(den.args[0], aten.exp.default)) or
-            (den.args[0] == 1 and call(den.args[1], aten.exp.default)))
+        one_plus = _call(den, aten.add.Tensor) and (
+            (den.args[1] == 1 and _call(den.args[0], aten.exp.default)) or
+            (den.args[0] == 1 and _call(den.args[1], aten.exp.default)))
         if not one_plus:
             return None
         e = den.args[0] if den.args[1] == 1 else den.args[1]
-        if not (call(e.args[0], aten.neg.default) and e.args[0].args[0] is c):
+        if not (_call(e.args[0], aten.neg.default) and e.args[0].args[0] is c):
             return None
-    elif call(node, aten.mul.Tensor):
+    elif _call(node, aten.mul.Tensor):
         a, b = node.args
-        if call(b, aten.sigmoid.default) and b.args[0] is a:
+        if _call(b, aten.sigmoid.default) and b.args[0] is a:
             c = a
-        elif call(a, aten.sigmoid.default) and a.args[0] is b:
+        elif _call(a, aten.sigmoid.default) and a.args[0] is b:
             c = b
     if not isinstance(c, torch.fx.Node):
         return None
-    if call(c, _CONVERT) and c.args[1] == torch.float32:
+    if _call(c, _CONVERT) and c.args[1] == torch.float32:
         c = c.args[0]
     cv = _val(c)
     return c if cv is not None and cv.dtype == dtype else None
 
 
 def _call(n: object, *targets) -> bool:
+    """Whether ``n`` is a call of one of ``targets`` with positional arguments only."""
     return isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in targets and not n.kwargs
+
+
+def _unwritten(n: torch.fx.Node) -> bool:
+    """Whether no node of the graph writes ``n`` in place (so a launch may read it later
+    than the node that read it did)."""
+    return not any(_mutates(u) for u in n.users)
 
 
 def _rms(node: object):
@@ -168,7 +171,7 @@ def _rms_norm(x: torch.fx.Node):
         return None
     h, eps, w, offset = found
     hv, wv = _val(h), _val(w)
-    if hv is None or wv is None or not isinstance(w, torch.fx.Node) or hv.dtype != xv.dtype or \
+    if hv is None or wv is None or not isinstance(w, torch.fx.Node) or not _unwritten(h) or hv.dtype != xv.dtype or \
             not hv.is_contiguous() or hv.numel() != xv.numel() or hv.shape[-1] != xv.shape[-1] or \
             wv.dim() != 1 or wv.shape[0] != xv.shape[-1] or wv.dtype not in (xv.dtype, torch.float32) or \
             wv.device != xv.device or hv.device != xv.device:
@@ -203,7 +206,7 @@ def _swiglu(x: torch.fx.Node):
         if gv is None or uv is None or mv is None or tuple(gv.shape) != tuple(mv.shape) or \
                 tuple(uv.shape) != tuple(mv.shape) or uv.dtype != xv.dtype or gv.device != xv.device or \
                 uv.device != xv.device or not gv.is_contiguous() or not uv.is_contiguous() or \
-                mv.numel() != xv.numel():
+                mv.numel() != xv.numel() or not _unwritten(g) or not _unwritten(u):
             return None
         return u, g
     return None
@@ -330,7 +333,7 @@ def _add_residuals(graph: torch.fx.Graph) -> None:
     epilogue: the add's readers read the view of the call's output instead."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for call in [n for n in graph.nodes if n.target is torch.ops.graphrt.small_linear.default]:
-        if len(call.args[1]) != 1 or call.args[8] is not None or len(call.users) != 1:
+        if len(call.args) < 9 or len(call.args[1]) != 1 or call.args[8] is not None or len(call.users) != 1:
             continue
         (item,) = call.users
         view = next(iter(item.users)) if len(item.users) == 1 else None
@@ -343,7 +346,7 @@ def _add_residuals(graph: torch.fx.Graph) -> None:
         rv, vv, av = _val(r), _val(view), _val(add)
         if not isinstance(r, torch.fx.Node) or rv is None or vv is None or av is None or \
                 tuple(rv.shape) != tuple(vv.shape) or rv.dtype != vv.dtype or av.dtype != vv.dtype or \
-                not rv.is_contiguous() or order.get(r, len(order)) >= order[call]:
+                not rv.is_contiguous() or order.get(r, len(order)) >= order[call] or not _unwritten(r):
             continue
         with graph.inserting_before(call):
             call.update_arg(8, _view_as(graph, r, item))
