@@ -234,9 +234,9 @@ def test_pdl_launches_sets_the_switch_for_its_block_only(monkeypatch):
 def test_compiled_decoder_runs_small_linear(small_linear, fusions):
     """A bf16 Llama compiled by the Runtime: with ``small_linear`` (the default) its replayed
     decode step runs graphrt's linear kernel (q/k/v and gate/up grouped: fewer matmul launches
-    than without) and gives the uncompiled loop's greedy tokens; with its fusions (the
-    default) the step makes fewer launches than without them (norms, residual adds and the
-    SwiGLU product inside the linear launches)."""
+    than without) and gives the uncompiled loop's greedy tokens; with its fusions
+    (``linear_fusions``) the step makes fewer launches than without them (norms, residual
+    adds and the SwiGLU product inside the linear launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     from graphrt.bench.model import QUICK, GraphrtLoop, build, prompts

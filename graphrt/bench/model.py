@@ -312,6 +312,7 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
         row["compiled_capture_s"] = loop.capture_s              # compile + capture of the loop's two buckets
         row["compile_kinds"] = list(compiled.kinds)
         row["compile_pdl"] = compiled.pdl
+        row["compile_linear_fusions"] = compiled.linear_fusions
         row["compile_records"] = [str(r) for r in loop.rt.compiler.records.values()]
         if features is not None:
             features = [loop.lm.image_features(dev_pixels[i: i + 1]) for i in range(batch)]
@@ -356,11 +357,14 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
 def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: list[int] | None = None,
         prompt_lens: list[int] | None = None, new_tokens: int | None = None, hf_modes: list[str] | None = None,
         static_batches: list[int] | None = None, quiet: bool = False, compile: bool = True,
-        compile_kinds: tuple = ("decode", "mixed"), pdl: bool = False, logits: bool = True) -> list[dict]:
+        compile_kinds: tuple = ("decode", "mixed"), pdl: bool = False, logits: bool = True,
+        linear_fusions: bool = False) -> list[dict]:
     """Every (model, prompt, batch) cell; transformers' static-cache generate (a compile per
     cell) only at ``static_batches`` where given; ``compile_kinds``: the bucket kinds the
     compiled loop compiles (``CompileOptions.kinds``); ``pdl``: its kernels launched as
-    programmatic dependents (``CompileOptions.pdl``, CUDA only); ``logits``: judge the first
+    programmatic dependents (``CompileOptions.pdl``, CUDA only); ``linear_fusions``: norms,
+    residual adds and SwiGLU products inside its linear launches (``CompileOptions.linear_fusions``,
+    CUDA only); ``logits``: judge the first
     decode step's logits against an fp32 copy of the model, made per cell after graphrt's loops
     are freed."""
     cuda = torch.cuda.is_available()
@@ -384,7 +388,7 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
     # Inductor on a GPU; on the CPU (the quick test) dynamo's trace without code generation
     compiled = None
     if compile:
-        compiled = (CompileOptions(kinds=compile_kinds, pdl=pdl) if cuda
+        compiled = (CompileOptions(kinds=compile_kinds, pdl=pdl, linear_fusions=linear_fusions) if cuda
                     else CompileOptions(backend="aot_eager", kinds=compile_kinds))
     rows = []
     for name in models:
@@ -479,13 +483,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="skip the logits' comparison with an fp32 copy of each model (memory: 4 bytes a weight)")
     parser.add_argument("--pdl", action="store_true",
                         help="the compiled loop's kernels as programmatic dependent launches (CompileOptions.pdl)")
+    parser.add_argument("--linear-fusions", action="store_true",
+                        help="norms, residual adds and SwiGLU products inside the compiled loop's linear launches "
+                             "(CompileOptions.linear_fusions)")
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")] if s else None
     run(quick=args.quick, out=args.out or default_out(), models=args.models.split(",") if args.models else None,
         batches=ints(args.batches), prompt_lens=ints(args.prompts), new_tokens=args.new_tokens,
         hf_modes=None if args.hf is None else [m for m in args.hf.split(",") if m and m != "none"],
         static_batches=ints(args.static_batches), compile=not args.no_compile,
-        compile_kinds=tuple(args.compile_kinds.split(",")), pdl=args.pdl, logits=not args.no_logits)
+        compile_kinds=tuple(args.compile_kinds.split(",")), pdl=args.pdl, logits=not args.no_logits,
+        linear_fusions=args.linear_fusions)
 
 
 if __name__ == "__main__":
