@@ -48,7 +48,7 @@ def _accumulate(acc, b_w, b_x, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexp
 def _load_x(p_x, p_g, nw_ptr, o_k, m_x, m_k, ss, GATED: tl.constexpr, NORM: tl.constexpr):
     """A [BLOCK_M, BLOCK_K] tile of the input: x, or (GATED) silu(gate) * x, silu(gate) and
     the product each rounded to x's dtype, or (NORM 1 / 2) x times the norm's weight w /
-    1 + w, its squares added to ``ss``. Returns (tile, ss)."""
+    1 + w, each row's sum of squares added to ``ss`` [BLOCK_M]. Returns (tile, ss)."""
     b_x = tl.load(p_x + o_k[None, :], mask=m_x, other=0.0)
     if GATED:
         b_g = tl.load(p_g + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
@@ -56,7 +56,7 @@ def _load_x(p_x, p_g, nw_ptr, o_k, m_x, m_k, ss, GATED: tl.constexpr, NORM: tl.c
         b_x = (b_s.to(tl.float32) * b_x.to(tl.float32)).to(b_x.dtype)
     if NORM != 0:
         x32 = b_x.to(tl.float32)
-        ss += x32 * x32
+        ss += tl.sum(x32 * x32, axis=1)
         b_nw = tl.load(nw_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
         if NORM == 2:
             b_nw += 1.0
@@ -80,7 +80,7 @@ def _linear_tile(x_ptr, g_ptr, nw_ptr, eps, r_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)         # x's squares (NORM only)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)                  # each row's sum of squares (NORM only)
     # the first tile of columns apart from the loop: a programmatic dependent launch with
     # constant weights (PREFETCH, only with PDL) loads its weight tile before it waits for
     # the kernel before it, which wrote x (the weights no kernel of the step writes)
@@ -108,7 +108,7 @@ def _linear_tile(x_ptr, g_ptr, nw_ptr, eps, r_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     else:
         b_y = acc                                                # [BLOCK_M, BLOCK_N]
     if NORM != 0:       # each row's 1 / sqrt(mean square + eps)
-        b_y *= tl.math.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
+        b_y *= tl.math.rsqrt(ss / K + eps)[:, None]
     if HAS_BIAS:
         b_y += tl.load(b_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
     m_y = m_m[:, None] & m_n[None, :]

@@ -292,7 +292,7 @@ def test_linear_pass_takes_in_norms_and_residual_adds(rows, offset, device):
     # less often; which of the two lands nearer differs from seed to seed)
     exact = _decoder(offset, *[a.double() for a in args])
     own, fused = ((t.double() - exact).abs().max().item() for t in (want, gm(*args)))
-    assert fused <= 3 * own + 1e-3 * exact.abs().max().item(), (fused, own, seed)
+    assert fused <= 3 * own + 3e-3 * exact.abs().max().item(), (fused, own, seed)
     # without its fusions the pass groups alone: every norm and add stays
     gm = make_fx(lambda *a: _decoder(offset, *a), decomposition_table=table)(*args)
     group_small_linears(gm.graph, devices=(device.type,), fusions=False)
@@ -361,7 +361,7 @@ def test_linear_pass_on_transformers_decoders(family, rows, device):
     head = [(1, False, True, False)] if rows == 1 else []      # at 8 rows the narrow head stays with cuBLAS
     assert calls == LAYER_CALLS[family, rows] * 2 + head, calls
     own_err, fused_err = ((t.double() - exact).abs().max().item() for t in (own, fused))
-    assert fused_err <= 3 * own_err + 1e-3 * exact.abs().max().item(), (fused_err, own_err, seed)
+    assert fused_err <= 3 * own_err + 3e-3 * exact.abs().max().item(), (fused_err, own_err, seed)
 
 
 def test_linear_pass_never_groups_across_a_write(device):
