@@ -23,8 +23,8 @@ found in the forms a traced model's graph holds; a form not recognised stays as 
 - a one-weight launch whose output is added to a residual (``h + o``, the residual stream)
   adds it in its epilogue.
 With both of the last two, a layer's residual add and the norm after it (one Inductor
-kernel) go: by the graph, a Llama layer's decode step at one row makes six launches where
-it made nine.
+kernel) go: by the graph (rotary counted as one kernel), a Llama layer's decode step at one
+row makes six launches where it made nine.
 """
 
 from __future__ import annotations
