@@ -157,15 +157,15 @@ def _rms_norm(x: torch.fx.Node):
     found = None
     if _call(node, aten.mul.Tensor) and all(isinstance(a, torch.fx.Node) for a in node.args):
         for w, c in (node.args, node.args[::-1]):        # Llama: w * convert(h / rms(h), dtype)
-            if _call(c, _CONVERT) and c.args[1] == xv.dtype and _rms(c.args[0]) is not None:
-                found = (*_rms(c.args[0]), w, False)
+            if _call(c, _CONVERT) and c.args[1] == xv.dtype and (rms := _rms(c.args[0])) is not None:
+                found = (*rms, w, False)
                 break
     elif _call(node, _CONVERT) and node.args[1] == xv.dtype and _call(node.args[0], aten.mul.Tensor):
         for t, plus in (node.args[0].args, node.args[0].args[::-1]):   # Gemma: convert(h / rms(h) * (1 + w), dtype)
-            if _rms(t) is not None and _call(plus, aten.add.Tensor) and 1 in plus.args:
+            if (rms := _rms(t)) is not None and _call(plus, aten.add.Tensor) and 1 in plus.args:
                 w = plus.args[0] if plus.args[1] == 1 else plus.args[1]
                 w = w.args[0] if _call(w, _CONVERT) and w.args[1] == torch.float32 else w
-                found = (*_rms(t), w, True)
+                found = (*rms, w, True)
                 break
     if found is None:
         return None
