@@ -15,8 +15,8 @@ projections stay with cuBLAS (o: 6.4 µs against graphrt's 6.9).
 
 Around the matmuls, the elementwise work of a decoder layer joins the launches (each
 found in the forms a traced model's graph holds; a form not recognised stays as it was):
-- a matmul whose input is a SwiGLU product ``silu(g) * u`` (the MLP's down projection)
-  takes g and u, the product formed as the kernel loads its input (at any number of rows
+- a matmul whose input is a gated product ``act(g) * u`` (the MLP's down projection; act
+  silu as in SwiGLU, or gelu's tanh form as in Gemma's GeGLU) takes g and u, the product formed as the kernel loads its input (at any number of rows
   up to 32, that launch being saved too);
 - a matmul (or group) whose input is an RMSNorm of h (``w * (h / rms(h))`` in h's dtype,
   Llama's form, or ``h / rms(h) * (1 + w)``, Gemma's) takes h and the norm's weight;
@@ -76,10 +76,11 @@ def _through_views(node: object) -> object:
     return node
 
 
-def _silu_of(node: object, dtype: torch.dtype):
-    """g where ``node`` is silu(g) rounded to ``dtype`` as a traced model computes it
-    (``aten.silu``, or its decompositions g / (1 + exp(-g)) and g * sigmoid(g), on g or on g
-    converted to fp32); else None."""
+def _gate_of(node: object, dtype: torch.dtype):
+    """(g, activation) where ``node`` is act(g) rounded to ``dtype`` as a traced model computes
+    it, act "silu" (``aten.silu``, or its decompositions g / (1 + exp(-g)) and g * sigmoid(g))
+    or "gelu_tanh" (``aten.gelu`` with approximate="tanh", or its decomposition
+    0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))), on g or on g converted to fp32; else None."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return None
     if node.target is _CONVERT:
@@ -88,9 +89,11 @@ def _silu_of(node: object, dtype: torch.dtype):
         node = node.args[0]
     elif _val(node) is None or _val(node).dtype != dtype:
         return None
-    c = None
+    c, act = None, "silu"
     if _call(node, aten.silu.default):
         c = node.args[0]
+    elif _is_gelu_tanh(node):
+        c, act = node.args[0], "gelu_tanh"
     elif _call(node, aten.div.Tensor):
         c, den = node.args
         one_plus = _call(den, aten.add.Tensor) and (
@@ -107,12 +110,54 @@ def _silu_of(node: object, dtype: torch.dtype):
             c = a
         elif _call(a, aten.sigmoid.default) and a.args[0] is b:
             c = b
+        else:
+            c, act = _gelu_tanh_decomposed(node), "gelu_tanh"
     if not isinstance(c, torch.fx.Node):
         return None
     if _call(c, _CONVERT) and c.args[1] == torch.float32:
         c = c.args[0]
     cv = _val(c)
-    return c if cv is not None and cv.dtype == dtype else None
+    return (c, act) if cv is not None and cv.dtype == dtype else None
+
+
+def _is_gelu_tanh(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is ``aten.gelu(g, approximate="tanh")`` (the argument positional or named)."""
+    if node.op != "call_function" or node.target is not aten.gelu.default or not node.args:
+        return False
+    approximate = node.args[1] if len(node.args) > 1 else node.kwargs.get("approximate", "none")
+    return approximate == "tanh" and set(node.kwargs) <= {"approximate"}
+
+
+def _scaled(node: object, factor: float):
+    """t where ``node`` is t * factor (either order, factor to fp32's precision); else None."""
+    if not _call(node, aten.mul.Tensor):
+        return None
+    for t, f in (node.args, node.args[::-1]):
+        if isinstance(t, torch.fx.Node) and isinstance(f, float) and abs(f - factor) <= 1e-7 * factor:
+            return t
+    return None
+
+
+def _gelu_tanh_decomposed(node: torch.fx.Node):
+    """g where ``node`` is (g * 0.5) * (tanh(sqrt(2 / pi) * (g + g * g * g * 0.044715)) + 1),
+    the form of gelu(g, approximate="tanh") after Inductor's decompositions (factors in
+    either order); else None."""
+    for half, plus in (node.args, node.args[::-1]):
+        g = _scaled(half, 0.5)
+        if g is None or not _call(plus, aten.add.Tensor) or 1 not in plus.args:
+            continue
+        th = plus.args[0] if plus.args[1] == 1 else plus.args[1]
+        if not _call(th, aten.tanh.default):
+            continue
+        inner = _scaled(th.args[0], 0.7978845608028654)
+        if not _call(inner, aten.add.Tensor) or g not in inner.args:
+            continue
+        cube = _scaled(inner.args[1] if inner.args[0] is g else inner.args[0], 0.044715)
+        if _call(cube, aten.mul.Tensor) and g in cube.args:
+            sq = cube.args[1] if cube.args[0] is g else cube.args[0]
+            if _call(sq, aten.mul.Tensor) and sq.args[0] is g and sq.args[1] is g:
+                return g
+    return None
 
 
 def _call(n: object, *targets) -> bool:
@@ -180,8 +225,8 @@ def _rms_norm(x: torch.fx.Node):
 
 
 def _prologue(x: torch.fx.Node):
-    """What the kernel computes its input from, where not x itself: ("gate", u, g) for a
-    SwiGLU product (``_swiglu``), ("norm", h, w, eps, offset) for an RMSNorm
+    """What the kernel computes its input from, where not x itself: ("gate", u, g, activation)
+    for a SwiGLU / GeGLU product (``_swiglu``), ("norm", h, w, eps, offset) for an RMSNorm
     (``_rms_norm``); else None."""
     found = _swiglu(x)
     if found is not None:
@@ -191,7 +236,7 @@ def _prologue(x: torch.fx.Node):
 
 
 def _swiglu(x: torch.fx.Node):
-    """(u, g) where ``x`` is (a view of) silu(g) * u, both of x's shape, dtype and
+    """(u, g, activation) where ``x`` is (a view of) act(g) * u (``_gate_of``), both of x's shape, dtype and
     contiguous, as the model's tensors (the caller views them as x); else None."""
     xv = _val(x)
     mul = _through_views(x)
@@ -199,16 +244,17 @@ def _swiglu(x: torch.fx.Node):
             and not mul.kwargs and all(isinstance(a, torch.fx.Node) for a in mul.args)):
         return None
     for s_node, u in (mul.args, mul.args[::-1]):
-        g = _silu_of(s_node, xv.dtype)
-        if g is None:
+        found = _gate_of(s_node, xv.dtype)
+        if found is None:
             continue
+        g, act = found
         gv, uv, mv = _val(g), _val(u), _val(mul)
         if gv is None or uv is None or mv is None or tuple(gv.shape) != tuple(mv.shape) or \
                 tuple(uv.shape) != tuple(mv.shape) or uv.dtype != xv.dtype or gv.device != xv.device or \
                 uv.device != xv.device or not gv.is_contiguous() or not uv.is_contiguous() or \
                 mv.numel() != xv.numel() or not _unwritten(g) or not _unwritten(u):
             return None
-        return u, g
+        return u, g, act
     return None
 
 
@@ -297,11 +343,12 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
                 continue                      # one narrow weight over several rows: cuBLAS is faster
             with graph.inserting_before(first[0]):
                 # the call's arguments: x, weights, biases, constant_weights, gate, norm_weight,
-                # norm_eps, norm_offset, residual (set by _add_residuals)
+                # norm_eps, norm_offset, residual (set by _add_residuals), activation
                 args = [x, [m[2] for m in group], [m[3] for m in group], all(_constant(m[2]) for m in group),
-                        None, None, 1e-6, False, None]
-                if pro is not None and pro[0] == "gate":     # u and g viewed as x: (u, ..., gate=g)
-                    args[0], args[4] = (_view_as(graph, t, x) for t in pro[1:])
+                        None, None, 1e-6, False, None, "silu"]
+                if pro is not None and pro[0] == "gate":     # u and g viewed as x: (u, ..., gate=g), act
+                    args[0], args[4] = (_view_as(graph, t, x) for t in pro[1:3])
+                    args[9] = pro[3]
                 elif pro is not None:                        # h viewed as x, the norm's weight, eps, offset
                     args[0], args[5:8] = _view_as(graph, pro[1], x), pro[2:]
                 call = graph.call_function(torch.ops.graphrt.small_linear.default, tuple(args))

@@ -8,9 +8,10 @@ One row of x accumulates elementwise in fp32 and reduces once at the end; 2 to 6
 use ``tl.dot`` with the rows padded to 16 (a memory-bound shape: the tensor cores have
 room to spare).
 
-Given a ``gate`` of x's shape, the kernel's input is ``silu(gate) * x``, computed as it loads
-x (a SwiGLU MLP's down projection: the product is never written), silu(gate) and the
-product each rounded to x's dtype as the separate ops round. Given a ``norm_weight``, the
+Given a ``gate`` of x's shape, the kernel's input is ``act(gate) * x``, computed as it loads
+x (a gated MLP's down projection: the product is never written), act(gate) and the
+product each rounded to x's dtype as the separate ops round; act is silu (SwiGLU, Llama)
+or the tanh approximation of gelu (GeGLU, Gemma). Given a ``norm_weight``, the
 input is x under an RMSNorm: each row of x scaled by the inverse root of its mean square
 and by the norm's weight (``w``, or ``1 + w`` as Gemma's norms have it). The kernel
 multiplies x by the weight as it loads it, sums x's squares beside the products and
@@ -31,6 +32,7 @@ from ._checks import check_runnable, check_tensor, pdl_supported
 
 MAX_ROWS = 64               # more rows than this are a GEMM for cuBLAS, not a weight stream
 MAX_WEIGHTS = 3
+ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}     # a gate's activation: the kernel's GATED
 
 
 @triton.jit
@@ -46,13 +48,18 @@ def _accumulate(acc, b_w, b_x, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexp
 
 @triton.jit
 def _load_x(p_x, p_g, nw_ptr, o_k, m_x, m_k, ss, GATED: tl.constexpr, NORM: tl.constexpr):
-    """A [BLOCK_M, BLOCK_K] tile of the input: x, or (GATED) silu(gate) * x, silu(gate) and
-    the product each rounded to x's dtype, or (NORM 1 / 2) x times the norm's weight w /
-    1 + w, each row's sum of squares added to ``ss`` [BLOCK_M]. Returns (tile, ss)."""
+    """A [BLOCK_M, BLOCK_K] tile of the input: x, or (GATED 1 / 2) act(gate) * x, act silu /
+    gelu's tanh form, act(gate) and the product each rounded to x's dtype, or (NORM 1 / 2) x
+    times the norm's weight w / 1 + w, each row's sum of squares added to ``ss`` [BLOCK_M].
+    Returns (tile, ss)."""
     b_x = tl.load(p_x + o_k[None, :], mask=m_x, other=0.0)
-    if GATED:
+    if GATED != 0:
         b_g = tl.load(p_g + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
-        b_s = (b_g / (1.0 + tl.exp(-b_g))).to(b_x.dtype)
+        if GATED == 1:      # silu(g) = g * sigmoid(g)
+            b_s = (b_g / (1.0 + tl.exp(-b_g))).to(b_x.dtype)
+        else:               # 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+            z2 = 1.5957691216057308 * (b_g + 0.044715 * b_g * b_g * b_g)
+            b_s = (b_g / (1.0 + tl.exp(-z2))).to(b_x.dtype)
         b_x = (b_s.to(tl.float32) * b_x.to(tl.float32)).to(b_x.dtype)
     if NORM != 0:
         x32 = b_x.to(tl.float32)
@@ -191,7 +198,8 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
                  biases: list[torch.Tensor] | tuple[torch.Tensor, ...] | None = None, *,
                  config: LinearConfig | None = None, constant_weights: bool = False,
                  gate: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                 norm_offset: bool = False, residual: torch.Tensor | None = None) -> list[torch.Tensor]:
+                 norm_offset: bool = False, residual: torch.Tensor | None = None,
+                 activation: str = "silu") -> list[torch.Tensor]:
     """``[x @ w.T (+ b) for w, b in zip(weights, biases)]`` in one launch.
 
     x:       [M, K], 1 <= M <= 64, contiguous rows (any row stride).
@@ -200,7 +208,8 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
     constant_weights: no kernel launched before this one in the stream writes the weights
                (a model's parameters): a programmatic dependent launch then loads its first
                weight tile before it waits for the kernel before it.
-    gate:    None, or [M, K] of x's dtype (contiguous rows): the input is then silu(gate) * x.
+    gate:    None, or [M, K] of x's dtype (contiguous rows): the input is then act(gate) * x.
+    activation: act, "silu" (SwiGLU) or "gelu_tanh" (GeGLU: gelu's tanh approximation).
     norm_weight: None, or [K] (x's dtype or fp32): the input is then x under an RMSNorm,
                x / sqrt(mean(x**2) + norm_eps) * w (w: norm_weight, or 1 + norm_weight
                where ``norm_offset``); norm_eps a float > 0.
@@ -232,6 +241,8 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
             check_tensor(f"biases[{i}]", b, dim=1, dtypes=(x.dtype,), device=x.device)
             if b.shape[0] != w.shape[0]:
                 raise ValueError(f"biases[{i}] has {b.shape[0]} entries, weights[{i}] {w.shape[0]} rows")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if gate is not None:
         check_tensor("gate", gate, dim=2, dtypes=(x.dtype,), device=x.device)
         if tuple(gate.shape) != (m, k):
@@ -271,7 +282,7 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
         *(w.stride(0) for w in w3), *(y.stride(0) for y in y3),
         NUM_W=len(weights), BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=biases is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",      # fp32 as torch's matmul: no tf32
-        PDL=pdl, PREFETCH=pdl and constant_weights, GATED=gate is not None,
+        PDL=pdl, PREFETCH=pdl and constant_weights, GATED=0 if gate is None else ACTIVATIONS[activation],
         NORM=0 if norm_weight is None else 2 if norm_offset else 1, RESIDUAL=residual is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=pdl,

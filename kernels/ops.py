@@ -103,24 +103,24 @@ def _(q, k, v, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, pr
 def small_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
                  constant_weights: bool = False, gate: Optional[torch.Tensor] = None,
                  norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 1e-6, norm_offset: bool = False,
-                 residual: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                 residual: Optional[torch.Tensor] = None, activation: str = "silu") -> list[torch.Tensor]:
     """``graphrt.kernels.linear.small_linear``: [x @ w.T (+ b)] for 1 to 3 weights in one
     launch (what a compiled step's matmuls of a few rows become: ``graphrt.capture.linear_pass``);
     biases: one per weight, all tensors or all None; ``constant_weights``: the step writes
     none of the weights (the kernel may load them before the kernel before it has finished,
-    under programmatic dependent launch); ``gate``: the input is silu(gate) * x (a SwiGLU
-    down projection); ``norm_weight``, ``norm_eps``, ``norm_offset``: the input is x under
+    under programmatic dependent launch); ``gate``, ``activation``: the input is
+    act(gate) * x (a SwiGLU or GeGLU down projection); ``norm_weight``, ``norm_eps``, ``norm_offset``: the input is x under
     an RMSNorm; ``residual``: the output is residual + x @ w.T (one weight)."""
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise ValueError("biases must be all tensors or all None")
     return _small_linear(x, weights, None if all(b is None for b in biases) else biases,
                          constant_weights=constant_weights, gate=gate, norm_weight=norm_weight, norm_eps=norm_eps,
-                         norm_offset=norm_offset, residual=residual)
+                         norm_offset=norm_offset, residual=residual, activation=activation)
 
 
 @small_linear.register_fake
 def _(x, weights, biases, constant_weights=False, gate=None, norm_weight=None, norm_eps=1e-6, norm_offset=False,
-      residual=None):
+      residual=None, activation="silu"):
     return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
 
 

@@ -79,11 +79,11 @@ def _variants():
                                                "DOT_PRECISION", "PDL", "PREFETCH", "GATED", "NORM",
                                                "RESIDUAL")})
     for block_m, block_n, block_k in ((1, 4, 1024), (16, 32, 256)):
-        for prefetch in (False, True):      # gated + residual (a down projection), or normed (q/k/v)
+        for gated in (0, 1, 2):      # normed (q/k/v), or gated (silu / gelu) + residual (a down projection)
             yield klin._linear_kernel, lin, {"NUM_W": 3, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                                              "HAS_BIAS": False, "DOT_PRECISION": "tf32", "PDL": True,
-                                             "PREFETCH": prefetch, "GATED": prefetch, "NORM": 0 if prefetch else 2,
-                                             "RESIDUAL": prefetch}
+                                             "PREFETCH": gated != 0, "GATED": gated, "NORM": 0 if gated else 2,
+                                             "RESIDUAL": gated != 0}
     for has_ids in (False, True):
         yield kspec._place_kernel, {"request_ptr": ptr("i32"), "offset_ptr": ptr("i32"), "length_ptr": ptr("i32"),
                                     "num_requests": "i32", "qsl_ptr": ptr("i32"), "seq_lens_ptr": ptr("i32"),

@@ -49,25 +49,33 @@ def test_small_linear(dtype_tol, rows, outs, cols, bias, device):
 
 @pytest.mark.parametrize("dtype_tol", DTYPES)
 @pytest.mark.parametrize("rows,outs,cols", [CASES[0], CASES[3], CASES[4]])
-def test_small_linear_gated(dtype_tol, rows, outs, cols, device):
-    """With a gate the input is silu(gate) * x, silu(gate) and the product each rounded to
-    x's dtype as the separate ops round (a SwiGLU down projection); gate values reach the
-    far tails, where the silu is 0 or the value itself."""
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_small_linear_gated(dtype_tol, rows, outs, cols, activation, device):
+    """With a gate the input is act(gate) * x, act(gate) and the product each rounded to
+    x's dtype as the separate ops round (a SwiGLU / GeGLU down projection; act silu, or
+    gelu's tanh approximation as torch computes it); gate values reach the far tails, where
+    the activation is 0 or the value itself."""
+    import torch.nn.functional as F
+
     dtype, atol, rtol = dtype_tol
     seed = fresh_seed()
     _, gen = rngs(seed)
     x = torch.randn(rows, cols + 3, generator=gen).to(device=device, dtype=dtype)[:, :cols]
     gate = (torch.randn(rows, cols, generator=gen) * 4).to(device=device, dtype=dtype)
-    gate[0, :2] = torch.tensor([-120.0, 90.0])
+    gate[0, :4] = torch.tensor([-120.0, 90.0, -6.0, 1e-3])
     ws = [torch.randn(n, cols, generator=gen).to(device=device, dtype=dtype) for n in outs]
-    h = (torch.nn.functional.silu(gate.float()).to(dtype).float() * x.float()).to(dtype).double()
+    act = F.silu if activation == "silu" else lambda g: F.gelu(g, approximate="tanh")
+    h = (act(gate.double()).to(dtype).double() * x.double()).to(dtype).double()
     for cfg in CONFIGS:
-        for i, (y, w) in enumerate(zip(small_linear(x, ws, config=cfg, gate=gate), ws)):
+        got = small_linear(x, ws, config=cfg, gate=gate, activation=activation)
+        for i, (y, w) in enumerate(zip(got, ws)):
             assert_close(f"y[{i}] ({cfg})", y, h @ w.double().T, atol, rtol, seed)
     with pytest.raises(ValueError, match="gate must have x's shape"):
         small_linear(x, ws, gate=gate[:, :-1])
     with pytest.raises(TypeError, match="gate must have dtype"):
         small_linear(x, ws, gate=gate.double())
+    with pytest.raises(ValueError, match="activation must be one of"):
+        small_linear(x, ws, gate=gate, activation="gelu")
 
 
 @pytest.mark.parametrize("dtype_tol", DTYPES)
@@ -199,31 +207,44 @@ def test_linear_pass_groups_shared_inputs(rows, device):
     assert_close("logits", gm(*args), want, 1e-2, 1e-2, seed)
 
 
-@pytest.mark.parametrize("form", ["silu", "inductor", "sigmoid", "not-silu"])
+@pytest.mark.parametrize("form", ["silu", "inductor", "sigmoid", "not-silu", "gelu-tanh", "gelu-inductor",
+                                  "gelu-erf", "not-gelu"])
 def test_linear_pass_finds_the_swiglu_product(form):
-    """The SwiGLU product is found in the forms a traced model's graph holds: ``aten.silu``,
-    Inductor's decomposition (g / (1 + exp(-g)) in fp32, rounded), g * sigmoid(g); not in a
-    look-alike (g / (2 + exp(-g)))."""
+    """The gated product is found in the forms a traced model's graph holds: ``aten.silu``,
+    Inductor's decomposition (g / (1 + exp(-g)) in fp32, rounded), g * sigmoid(g), and
+    gelu's tanh form as ``aten.gelu`` and as decomposed; not in look-alikes (g / (2 +
+    exp(-g)), the erf gelu, a tanh form with another constant)."""
     import torch.nn.functional as F
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from graphrt.capture.linear_pass import _swiglu
 
+    def tanh_form(g, c=0.044715):
+        gf = g.float()
+        return (gf * 0.5 * (torch.tanh(0.7978845608028654 * (gf + gf * gf * gf * c)) + 1)).to(g.dtype)
+
     act = {"silu": F.silu, "inductor": F.silu, "sigmoid": lambda g: g * torch.sigmoid(g),
-           "not-silu": lambda g: (g.float() / (2 + torch.exp(-g.float()))).to(g.dtype)}[form]
+           "not-silu": lambda g: (g.float() / (2 + torch.exp(-g.float()))).to(g.dtype),
+           "gelu-tanh": lambda g: F.gelu(g, approximate="tanh"),
+           "gelu-inductor": lambda g: F.gelu(g.float(), approximate="tanh").to(g.dtype),
+           "gelu-erf": F.gelu, "not-gelu": lambda g: tanh_form(g, 0.05)}[form]
 
     def mlp(g, u):
         return act(g) * u
 
     g, u = torch.randn(2, 1, 8, dtype=torch.float16), torch.randn(2, 1, 8, dtype=torch.float16)
-    gm = make_fx(mlp, decomposition_table=select_decomp_table() if form == "inductor" else None)(g, u)
+    decomposed = form in ("inductor", "gelu-inductor")
+    gm = make_fx(mlp, decomposition_table=select_decomp_table() if decomposed else None)(g, u)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert (torch.ops.aten.silu.default in targets) == (form == "silu"), targets
+    assert (torch.ops.aten.gelu.default in targets) == (form in ("gelu-tanh", "gelu-erf")), targets
     mul = [n for n in gm.graph.nodes if n.op == "call_function"][-1]
     found = _swiglu(mul)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    assert found == (None if form == "not-silu" else (placeholders[1], placeholders[0])), (found, targets)
+    act_name = "gelu_tanh" if form.startswith("gelu") else "silu"
+    want = None if form.startswith("not") or form == "gelu-erf" else (placeholders[1], placeholders[0], act_name)
+    assert found == want, (found, targets)
 
 
 def _rms_norm(h, w, offset):
@@ -297,18 +318,18 @@ def test_linear_pass_takes_in_norms_and_residual_adds(rows, offset, device):
     gm = make_fx(lambda *a: _decoder(offset, *a), decomposition_table=table)(*args)
     group_small_linears(gm.graph, devices=(device.type,), fusions=False)
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.graphrt.small_linear.default]
-    assert calls and all(tuple(c.args[4:]) == (None, None, 1e-6, False, None) for c in calls), calls
+    assert calls and all(tuple(c.args[4:]) == (None, None, 1e-6, False, None, "silu") for c in calls), calls
     assert sum(n.target is torch.ops.aten.rsqrt.default for n in gm.graph.nodes) == 5
 
 
-LAYER_CALLS = {   # per layer: (weights, gated, normed, residual) of each launch the pass makes
-    ("llama", 1): [(3, False, True, False), (1, False, False, True), (2, False, True, False), (1, True, False, True)],
-    ("llama", 8): [(3, False, True, False), (2, False, True, False), (1, True, False, True)],
+LAYER_CALLS = {   # per layer: (weights, gate activation or False, normed, residual) of each launch the pass makes
+    ("llama", 1): [(3, False, True, False), (1, False, False, True), (2, False, True, False), (1, "silu", False, True)],
+    ("llama", 8): [(3, False, True, False), (2, False, True, False), (1, "silu", False, True)],
     # Gemma 3: its norms after attention and the MLP sit between o / down and the residual
-    # add, and its MLP's activation is a GELU: only the norms before q/k/v and gate/up go in
+    # add: the norms before q/k/v and gate/up and the GeGLU product go in, not the adds
     ("gemma3", 1): [(3, False, True, False), (1, False, False, False), (2, False, True, False),
-                    (1, False, False, False)],
-    ("gemma3", 8): [(3, False, True, False), (2, False, True, False)],
+                    (1, "gelu_tanh", False, False)],
+    ("gemma3", 8): [(3, False, True, False), (2, False, True, False), (1, "gelu_tanh", False, False)],
 }
 
 
@@ -346,7 +367,7 @@ def test_linear_pass_on_transformers_decoders(family, rows, device):
     def compiler(gm, example_inputs):
         group_small_linears(gm.graph, devices=(device.type,))
         gm.recompile()
-        calls.extend((len(n.args[1]), n.args[4] is not None, n.args[5] is not None, n.args[8] is not None)
+        calls.extend((len(n.args[1]), n.args[4] is not None and n.args[9], n.args[5] is not None, n.args[8] is not None)
                      for n in gm.graph.nodes if n.target is torch.ops.graphrt.small_linear.default)
         return gm
 
