@@ -1,7 +1,7 @@
 """A pytest plugin that notes every Triton launch the CPU tests make under the interpreter
 (kernel, argument types, constexpr values) and keeps a covering few of them for
 ``_compile_for_gpu.py --launches`` to compile for an sm_90 GPU: per kernel, launches
-chosen greedily until every switch value (bool constexpr) and pointer type the tests
+chosen greedily until every switch value (bool constexpr, or an int one in MODES) and pointer type the tests
 used, and every pair of them that occurred together, is in one of the chosen:
 
     TRITON_INTERPRET=1 GRAPHRT_LAUNCHES=/tmp/launches.json PYTHONPATH=tests \\
@@ -97,9 +97,13 @@ def pytest_unconfigure(config):
         json.dump(cover(entries), f, indent=0)
 
 
+MODES = {"GATED", "NORM"}     # int constexprs that pick a code path (small_linear's), switches as bools are
+
+
 def _features(entry: dict) -> set:
-    """A launch's switch values and pointer types, alone and in pairs."""
-    items = sorted((k, v) for k, v in entry["constexprs"].items() if isinstance(v, bool))
+    """A launch's switch values (bool constexprs and ``MODES``) and pointer types, alone and
+    in pairs."""
+    items = sorted((k, v) for k, v in entry["constexprs"].items() if isinstance(v, bool) or k in MODES)
     items += [(f"*{name}", t) for name, (t, _) in entry["params"].items() if t.startswith(("*", "tensordesc"))]
     return {(x,) for x in items} | set(itertools.combinations(items, 2))
 
