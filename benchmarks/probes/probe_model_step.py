@@ -5,10 +5,11 @@ kind: graphrt's attention, graphrt's small_linear, cuBLAS GEMMs, Inductor's fuse
 wall time over those kernels' sum (what is left is gaps between graph nodes). ``--model`` picks
 another of the bench's models (llama-8b, gemma3-4b: its prompts hold an image), ``--compiled-only``
 skips the eager loop; ``--fusions both`` runs the compiled loop with the linear pass's fusions
-(norms, residual adds, SwiGLU products inside its launches) and without, one after the other.
+(norms, residual adds, gated products inside its launches) and without, one after the other;
+``--pdl both`` with programmatic dependent launches and without (with both, all four).
 
     python3 benchmarks/probes/probe_model_step.py [--model llama-1b] [--batches 1,8] [--compiled-only]
-        [--pdl] [--fusions on|off|both] [--out DIR]
+        [--pdl [on|off|both]] [--fusions on|off|both] [--out DIR]
 """
 
 from __future__ import annotations
@@ -40,17 +41,18 @@ def main() -> None:
     parser.add_argument("--compiled-only", action="store_true")
     parser.add_argument("--options", default=None,
                         help='Inductor config overrides for the compiled loop, JSON, e.g. \'{"triton.enable_pdl": true}\'')
-    parser.add_argument("--pdl", action="store_true", help="CompileOptions(pdl=True): every kernel a programmatic "
-                                                               "dependent launch")
+    parser.add_argument("--pdl", nargs="?", const="on", default="off", choices=("on", "off", "both"),
+                        help="CompileOptions.pdl (every kernel a programmatic dependent launch) for the compiled "
+                             "loop; both: a row each")
     parser.add_argument("--fusions", choices=("on", "off", "both"), default="on",
                         help="CompileOptions.linear_fusions for the compiled loop (both: a row each)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from graphrt.capture import CompileOptions
 
-    fusions = {"on": (True,), "off": (False,), "both": (True, False)}[args.fusions]
-    compiled_variants = [CompileOptions(options=json.loads(args.options) if args.options else None, pdl=args.pdl,
-                                        linear_fusions=f) for f in fusions]
+    switch = {"on": (True,), "off": (False,), "both": (True, False)}
+    compiled_variants = [CompileOptions(options=json.loads(args.options) if args.options else None, pdl=p,
+                                        linear_fusions=f) for p in switch[args.pdl] for f in switch[args.fusions]]
     from torch.profiler import ProfilerActivity, profile
 
     from graphrt.bench.model import CONFIGS, GraphrtLoop, build, prompts
@@ -87,7 +89,7 @@ def main() -> None:
             top = [[round(us, 1), n, round(us / max(n, 1e-9), 2), name]
                    for us, n, name in sorted(by_name, reverse=True)[:30]]
             row = dict(model=args.model, batch=batch, compiled=compiled, options=args.options if compiled else None,
-                       pdl=args.pdl and compiled, linear_fusions=compiled and compile_on.linear_fusions,
+                       pdl=compiled and compile_on.pdl, linear_fusions=compiled and compile_on.linear_fusions,
                        wall_us=wall_us, kernel_us=kernel_us,
                        kernels_per_step=count / 4, **{f"{k} us": v for k, v in sorted(by_kind.items())}, top=top)
             rows.append(row)
@@ -99,7 +101,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"probe_model_step_{args.model}{'_options' if args.options else ''}{'_pdl' if args.pdl else ''}.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
+        (args.out / f"probe_model_step_{args.model}{'_options' if args.options else ''}{'' if args.pdl == 'off' else '_pdl_' + args.pdl}.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
                                                                          rows=rows), indent=1))
 
 
