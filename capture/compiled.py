@@ -59,7 +59,7 @@ class CompileOptions:
                through graphrt's ``small_linear`` where it measured faster than cuBLAS, the
                ones that share an input in one launch (``graphrt.capture.linear_pass``).
     linear_fusions: with small_linear, also move the RMSNorms before those launches, the
-               residual adds after them and SwiGLU products into them (the same pass). Off
+               residual adds after them and gated (SwiGLU, GeGLU) products into them (the same pass). Off
                by default until measured on a GPU (checked on CPU only so far).
     pdl:       launch the compiled steps' kernels as programmatic dependents of the kernel
                before them (sm_90+): Inductor's (``triton.enable_pdl``) and graphrt's own
