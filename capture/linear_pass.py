@@ -235,9 +235,22 @@ def _prologue(x: torch.fx.Node):
     return None if found is None else ("norm", *found)
 
 
+def _rows(v: torch.Tensor) -> bool:
+    """Whether ``v`` views as rows of its last dim without a copy, each row contiguous (any
+    row stride: a half of a fused gate/up projection's output, as Phi-3 splits it)."""
+    if v.shape[-1] > 1 and v.stride(-1) != 1:
+        return False
+    try:
+        v.view(-1, v.shape[-1])
+    except RuntimeError:
+        return False
+    return True
+
+
 def _swiglu(x: torch.fx.Node):
-    """(u, g, activation) where ``x`` is (a view of) act(g) * u (``_gate_of``), both of x's shape, dtype and
-    contiguous, as the model's tensors (the caller views them as x); else None."""
+    """(u, g, activation) where ``x`` is (a view of) act(g) * u (``_gate_of``), both of x's
+    shape and dtype, each a view of rows (``_rows``: the model's tensors, or halves of one
+    fused gate/up output; the caller views them as x); else None."""
     xv = _val(x)
     mul = _through_views(x)
     if not (isinstance(mul, torch.fx.Node) and mul.op == "call_function" and mul.target is aten.mul.Tensor
@@ -251,7 +264,7 @@ def _swiglu(x: torch.fx.Node):
         gv, uv, mv = _val(g), _val(u), _val(mul)
         if gv is None or uv is None or mv is None or tuple(gv.shape) != tuple(mv.shape) or \
                 tuple(uv.shape) != tuple(mv.shape) or uv.dtype != xv.dtype or gv.device != xv.device or \
-                uv.device != xv.device or not gv.is_contiguous() or not uv.is_contiguous() or \
+                uv.device != xv.device or not _rows(gv) or not _rows(uv) or \
                 mv.numel() != xv.numel() or not _unwritten(g) or not _unwritten(u):
             return None
         return u, g, act
@@ -375,9 +388,10 @@ def _view_as(graph: torch.fx.Graph, t: torch.fx.Node, like: torch.fx.Node) -> to
 
 
 def _add_residuals(graph: torch.fx.Graph) -> None:
-    """Each one-weight small_linear call whose output (through one view) is read only by
-    ``r + y`` (r of y's shape and dtype, contiguous, defined before the call) adds r in its
-    epilogue: the add's readers read the view of the call's output instead."""
+    """Each one-weight small_linear call whose output (through one view, and a clone: an
+    eval-mode dropout) is read only by ``r + y`` (r of y's shape and dtype, contiguous,
+    defined before the call) adds r in its epilogue: the add's readers read the view (the
+    clone) of the call's output instead."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for call in [n for n in graph.nodes if n.target is torch.ops.graphrt.small_linear.default]:
         if len(call.args) < 9 or len(call.args[1]) != 1 or call.args[8] is not None or len(call.users) != 1:
@@ -387,6 +401,8 @@ def _add_residuals(graph: torch.fx.Graph) -> None:
         if not _call(view, *_VIEWS) or len(view.users) != 1:
             continue
         (add,) = view.users
+        if _call(add, aten.clone.default) and len(add.users) == 1:   # an eval-mode dropout (Phi-3) in between
+            view, (add,) = add, add.users
         if not _call(add, aten.add.Tensor) or view not in add.args or len(set(add.args)) != 2:
             continue
         r = add.args[0] if add.args[1] is view else add.args[1]

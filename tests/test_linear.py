@@ -330,11 +330,15 @@ LAYER_CALLS = {   # per layer: (weights, gate activation or False, normed, resid
     ("gemma3", 1): [(3, False, True, False), (1, False, False, False), (2, False, True, False),
                     (1, "gelu_tanh", False, False)],
     ("gemma3", 8): [(3, False, True, False), (2, False, True, False), (1, "gelu_tanh", False, False)],
+    # Phi-3: q/k/v and gate/up each one fused weight (one narrow launch: cuBLAS at 8 rows); its
+    # down projection reads the two halves of the gate/up output where they lie
+    ("phi3", 1): [(1, False, True, False), (1, False, False, True), (1, False, True, False), (1, "silu", False, True)],
+    ("phi3", 8): [(1, "silu", False, True)],
 }
 
 
 @pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
 def test_linear_pass_on_transformers_decoders(family, rows, device):
     """The pass on the forward graph AOTAutograd makes of a transformers decoder (fp16,
     Inductor's decompositions, the graph Inductor's post-grad passes start from): the
@@ -350,6 +354,11 @@ def test_linear_pass_on_transformers_decoders(family, rows, device):
         cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
         cls = transformers.LlamaForCausalLM
+    elif family == "phi3":
+        cfg = transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100, pad_token_id=0,
+                                      eos_token_id=1, bos_token_id=1)
+        cls = transformers.Phi3ForCausalLM
     else:
         cfg = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
