@@ -59,8 +59,8 @@ class CompileOptions:
                through graphrt's ``small_linear`` where it measured faster than cuBLAS, the
                ones that share an input in one launch (``graphrt.capture.linear_pass``).
     linear_fusions: with small_linear, also move the RMSNorms before those launches, the
-               residual adds after them and gated (SwiGLU, GeGLU) products into them (the same pass). Off
-               by default until measured on a GPU (checked on CPU only so far).
+               residual adds after them and gated (SwiGLU, GeGLU) products into them (the same
+               pass). On by default; False keeps them as Inductor's kernels.
     pdl:       launch the compiled steps' kernels as programmatic dependents of the kernel
                before them (sm_90+): Inductor's (``triton.enable_pdl``) and graphrt's own
                (attention, KV write, small_linear), so that a kernel of a decode step is set
@@ -78,7 +78,7 @@ class CompileOptions:
     attention_calls: int | None = None
     small_linear: bool = True
     kinds: tuple = KINDS
-    linear_fusions: bool = False
+    linear_fusions: bool = True
     pdl: bool = False
 
     def __post_init__(self):

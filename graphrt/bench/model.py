@@ -358,12 +358,12 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
         prompt_lens: list[int] | None = None, new_tokens: int | None = None, hf_modes: list[str] | None = None,
         static_batches: list[int] | None = None, quiet: bool = False, compile: bool = True,
         compile_kinds: tuple = ("decode", "mixed"), pdl: bool = False, logits: bool = True,
-        linear_fusions: bool = False) -> list[dict]:
+        linear_fusions: bool = True) -> list[dict]:
     """Every (model, prompt, batch) cell; transformers' static-cache generate (a compile per
     cell) only at ``static_batches`` where given; ``compile_kinds``: the bucket kinds the
     compiled loop compiles (``CompileOptions.kinds``); ``pdl``: its kernels launched as
     programmatic dependents (``CompileOptions.pdl``, CUDA only); ``linear_fusions``: norms,
-    residual adds and SwiGLU products inside its linear launches (``CompileOptions.linear_fusions``,
+    residual adds and gated products inside its linear launches (``CompileOptions.linear_fusions``,
     CUDA only); ``logits``: judge the first
     decode step's logits against an fp32 copy of the model, made per cell after graphrt's loops
     are freed."""
@@ -483,9 +483,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="skip the logits' comparison with an fp32 copy of each model (memory: 4 bytes a weight)")
     parser.add_argument("--pdl", action="store_true",
                         help="the compiled loop's kernels as programmatic dependent launches (CompileOptions.pdl)")
-    parser.add_argument("--linear-fusions", action="store_true",
-                        help="norms, residual adds and SwiGLU products inside the compiled loop's linear launches "
-                             "(CompileOptions.linear_fusions)")
+    parser.add_argument("--linear-fusions", nargs="?", const="on", default="on", choices=("on", "off"),
+                        help="norms, residual adds and gated products inside the compiled loop's linear launches "
+                             "(CompileOptions.linear_fusions, on by default)")
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")] if s else None
     run(quick=args.quick, out=args.out or default_out(), models=args.models.split(",") if args.models else None,
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
         hf_modes=None if args.hf is None else [m for m in args.hf.split(",") if m and m != "none"],
         static_batches=ints(args.static_batches), compile=not args.no_compile,
         compile_kinds=tuple(args.compile_kinds.split(",")), pdl=args.pdl, logits=not args.no_logits,
-        linear_fusions=args.linear_fusions)
+        linear_fusions=args.linear_fusions == "on")
 
 
 if __name__ == "__main__":
