@@ -16,12 +16,14 @@ projections stay with cuBLAS (o: 6.4 µs against graphrt's 6.9).
 Around the matmuls, the elementwise work of a decoder layer joins the launches (each
 found in the forms a traced model's graph holds; a form not recognised stays as it was):
 - a matmul whose input is a gated product ``act(g) * u`` (the MLP's down projection; act
-  silu as in SwiGLU, or gelu's tanh form as in Gemma's GeGLU) takes g and u, the product formed as the kernel loads its input (at any number of rows
-  up to 32, that launch being saved too);
+  silu as in SwiGLU, or gelu's tanh form as in Gemma's GeGLU) takes g and u, the product
+  formed as the kernel loads its input (at any number of rows up to 32, that launch being
+  saved too);
 - a matmul (or group) whose input is an RMSNorm of h (``w * (h / rms(h))`` in h's dtype,
   Llama's form, or ``h / rms(h) * (1 + w)``, Gemma's) takes h and the norm's weight;
 - a one-weight launch whose output is added to a residual (``h + o``, the residual stream)
-  adds it in its epilogue.
+  adds it in its epilogue (at 2 to 32 rows too: the o projection then leaves cuBLAS, its
+  0.5 µs lost against the add's launch saved).
 With both of the last two, a layer's residual add and the norm after it (one Inductor
 kernel) go: by the graph (rotary counted as one kernel), a Llama layer's decode step at one
 row makes six launches where it made nine.
@@ -352,8 +354,10 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
             x, pro = first[1], first[4]       # the first matmul's input: defined before it
             rows = _val(x).shape[0]
             wide = sum(_val(m[2]).shape[0] for m in group) >= WIDE_OUTPUT
-            if rows > 1 and len(group) == 1 and not wide and (pro is None or pro[0] != "gate"):
+            if rows > 1 and len(group) == 1 and not wide and (pro is None or pro[0] != "gate") and \
+                    not (fusions and _residual_add(first[0], first[0], order) is not None):
                 continue                      # one narrow weight over several rows: cuBLAS is faster
+                                              # (unless that saves the launch of its residual add)
             with graph.inserting_before(first[0]):
                 # the call's arguments: x, weights, biases, constant_weights, gate, norm_weight,
                 # norm_eps, norm_offset, residual (set by _add_residuals), activation
@@ -387,30 +391,40 @@ def _view_as(graph: torch.fx.Graph, t: torch.fx.Node, like: torch.fx.Node) -> to
     return node
 
 
+def _residual_add(y: torch.fx.Node, at: torch.fx.Node, order: dict):
+    """(v, add, r) where ``y``, a [M, N] product, is read only through one view ``v`` (and a
+    clone: an eval-mode dropout; then ``v`` is the clone) by ``add`` = r + v, r of v's shape
+    and dtype, contiguous, unwritten and defined before node ``at``; else None."""
+    view = next(iter(y.users)) if len(y.users) == 1 else None
+    if not _call(view, *_VIEWS) or len(view.users) != 1:
+        return None
+    (add,) = view.users
+    if _call(add, aten.clone.default) and len(add.users) == 1:   # an eval-mode dropout (Phi-3) in between
+        view, (add,) = add, add.users
+    if not _call(add, aten.add.Tensor) or view not in add.args or len(set(add.args)) != 2:
+        return None
+    r = add.args[0] if add.args[1] is view else add.args[1]
+    rv, vv, av = _val(r), _val(view), _val(add)
+    if not isinstance(r, torch.fx.Node) or rv is None or vv is None or av is None or \
+            tuple(rv.shape) != tuple(vv.shape) or rv.dtype != vv.dtype or av.dtype != vv.dtype or \
+            not rv.is_contiguous() or order.get(r, len(order)) >= order[at] or not _unwritten(r):
+        return None
+    return view, add, r
+
+
 def _add_residuals(graph: torch.fx.Graph) -> None:
-    """Each one-weight small_linear call whose output (through one view, and a clone: an
-    eval-mode dropout) is read only by ``r + y`` (r of y's shape and dtype, contiguous,
-    defined before the call) adds r in its epilogue: the add's readers read the view (the
-    clone) of the call's output instead."""
+    """Each one-weight small_linear call whose output is read only by a residual add
+    (``_residual_add``) adds the residual in its epilogue: the add's readers read the view
+    (the clone) of the call's output instead."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for call in [n for n in graph.nodes if n.target is torch.ops.graphrt.small_linear.default]:
         if len(call.args) < 9 or len(call.args[1]) != 1 or call.args[8] is not None or len(call.users) != 1:
             continue
         (item,) = call.users
-        view = next(iter(item.users)) if len(item.users) == 1 else None
-        if not _call(view, *_VIEWS) or len(view.users) != 1:
+        found = _residual_add(item, call, order)
+        if found is None:
             continue
-        (add,) = view.users
-        if _call(add, aten.clone.default) and len(add.users) == 1:   # an eval-mode dropout (Phi-3) in between
-            view, (add,) = add, add.users
-        if not _call(add, aten.add.Tensor) or view not in add.args or len(set(add.args)) != 2:
-            continue
-        r = add.args[0] if add.args[1] is view else add.args[1]
-        rv, vv, av = _val(r), _val(view), _val(add)
-        if not isinstance(r, torch.fx.Node) or rv is None or vv is None or av is None or \
-                tuple(rv.shape) != tuple(vv.shape) or rv.dtype != vv.dtype or av.dtype != vv.dtype or \
-                not rv.is_contiguous() or order.get(r, len(order)) >= order[call] or not _unwritten(r):
-            continue
+        view, add, r = found
         with graph.inserting_before(call):
             call.update_arg(8, _view_as(graph, r, item))
         add.replace_all_uses_with(view)
