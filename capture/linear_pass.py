@@ -15,18 +15,22 @@ projections stay with cuBLAS (o: 6.4 µs against graphrt's 6.9).
 
 Around the matmuls, the elementwise work of a decoder layer joins the launches (each
 found in the forms a traced model's graph holds; a form not recognised stays as it was):
-- a matmul whose input is a gated product ``act(g) * u`` (the MLP's down projection; act
-  silu as in SwiGLU, or gelu's tanh form as in Gemma's GeGLU) takes g and u, the product
-  formed as the kernel loads its input (at any number of rows up to 32, that launch being
-  saved too);
-- a matmul (or group) whose input is an RMSNorm of h (``w * (h / rms(h))`` in h's dtype,
-  Llama's form, or ``h / rms(h) * (1 + w)``, Gemma's) takes h and the norm's weight;
+- at one row, a matmul whose input is a gated product ``act(g) * u`` (the MLP's down
+  projection; act silu as in SwiGLU, or gelu's tanh form as in Gemma's GeGLU) takes g and
+  u, the product formed as the kernel loads its input;
+- at one row, a matmul (or group) whose input is an RMSNorm of h (``w * (h / rms(h))`` in
+  h's dtype, Llama's form, or ``h / rms(h) * (1 + w)``, Gemma's) takes h and the norm's weight;
 - a one-weight launch whose output is added to a residual (``h + o``, the residual stream)
-  adds it in its epilogue (at 2 to 32 rows too: the o projection then leaves cuBLAS, its
-  0.5 µs lost against the add's launch saved).
-With both of the last two, a layer's residual add and the norm after it (one Inductor
-kernel) go: by the graph (rotary counted as one kernel), a Llama layer's decode step at one
-row makes six launches where it made nine.
+  adds it in its epilogue (at one row: past it o stays with cuBLAS, and its add is fused
+  with the norm after it by Inductor, which takes one kernel either way).
+Measured on an H100 (bf16, Llama-1B's shapes, 50 launches a graph, µs a launch): at one
+row the norm costs q/k/v 3.7 -> 4.3 and gate/up 23.2 -> 25.9, the gate costs down 7.4 -> 9.3,
+the residual o 3.6 -> 3.9, each saving an Inductor kernel (48 kernels and 78 µs of a
+Llama-1B decode step at batch 1: benchmarks/probes/probe_model_step.py); at 8 rows
+(``tl.dot`` tiles) the prologues cost far more (q/k/v 6.1 -> 14.4, gate/up 25.8 -> 35.4,
+down 14.7 -> 130 against cuBLAS's 8.9). Past one row the pass therefore groups only.
+At one row a Llama layer's decode step then makes six launches where it made nine: the
+residual add with the norm after it (one Inductor kernel), twice, and the SwiGLU product.
 """
 
 from __future__ import annotations
@@ -336,8 +340,8 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
     by_input: dict[torch.fx.Node, list] = {}
     for node in graph.nodes:
         found = _candidate(node, devices)
-        if found is not None and not fusions:
-            found = (*found[:3], None)
+        if found is not None and (not fusions or _val(found[0]).shape[0] > 1):
+            found = (*found[:3], None)        # prologues at one row only (see the module's docstring)
         if found is not None:
             by_input.setdefault((_input_key(found[0]), found[3]), []).append((node, *found))
     replaced = 0
@@ -354,10 +358,8 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
             x, pro = first[1], first[4]       # the first matmul's input: defined before it
             rows = _val(x).shape[0]
             wide = sum(_val(m[2]).shape[0] for m in group) >= WIDE_OUTPUT
-            if rows > 1 and len(group) == 1 and not wide and (pro is None or pro[0] != "gate") and \
-                    not (fusions and _residual_add(first[0], first[0], order) is not None):
+            if rows > 1 and len(group) == 1 and not wide:
                 continue                      # one narrow weight over several rows: cuBLAS is faster
-                                              # (unless that saves the launch of its residual add)
             with graph.inserting_before(first[0]):
                 # the call's arguments: x, weights, biases, constant_weights, gate, norm_weight,
                 # norm_eps, norm_offset, residual (set by _add_residuals), activation
@@ -413,12 +415,13 @@ def _residual_add(y: torch.fx.Node, at: torch.fx.Node, order: dict):
 
 
 def _add_residuals(graph: torch.fx.Graph) -> None:
-    """Each one-weight small_linear call whose output is read only by a residual add
-    (``_residual_add``) adds the residual in its epilogue: the add's readers read the view
+    """Each one-weight small_linear call of one row whose output is read only by a residual
+    add (``_residual_add``) adds the residual in its epilogue: the add's readers read the view
     (the clone) of the call's output instead."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for call in [n for n in graph.nodes if n.target is torch.ops.graphrt.small_linear.default]:
-        if len(call.args) < 9 or len(call.args[1]) != 1 or call.args[8] is not None or len(call.users) != 1:
+        if len(call.args) < 9 or len(call.args[1]) != 1 or call.args[8] is not None or len(call.users) != 1 or \
+                _val(call.args[0]).shape[0] != 1:
             continue
         (item,) = call.users
         found = _residual_add(item, call, order)

@@ -232,22 +232,22 @@ def test_pdl_launches_sets_the_switch_for_its_block_only(monkeypatch):
 @pytest.mark.parametrize("small_linear,fusions", [(True, True), (True, False), (False, False)],
                          ids=["small-linear", "small-linear-unfused", "cublas"])
 def test_compiled_decoder_runs_small_linear(small_linear, fusions):
-    """A bf16 Llama compiled by the Runtime: with ``small_linear`` (the default) its replayed
-    decode step runs graphrt's linear kernel (q/k/v and gate/up grouped: fewer matmul launches
-    than without) and gives the uncompiled loop's greedy tokens; with its fusions
-    (``linear_fusions``) the step makes fewer launches than without them (norms, residual
-    adds and the SwiGLU product inside the linear launches)."""
+    """A bf16 Llama compiled by the Runtime, one sequence: with ``small_linear`` (the default)
+    its replayed decode step runs graphrt's linear kernel (q/k/v and gate/up grouped: fewer
+    matmul launches than without) and gives the uncompiled loop's greedy tokens; with its
+    fusions (``linear_fusions``, the default; one row only) the step makes fewer launches than
+    without them (norms, residual adds and the SwiGLU product inside the linear launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     from graphrt.bench.model import QUICK, GraphrtLoop, build, prompts
 
     dev = torch.device("cuda")
     hf = build("llama-tiny", QUICK["llama-tiny"], dev, torch.bfloat16)
-    ids, _ = prompts(hf, 4, 24, 0)
+    ids, _ = prompts(hf, 1, 24, 0)
     options = [CompileOptions(small_linear=small_linear, linear_fusions=fusions)]
     if fusions:
         options.append(CompileOptions(linear_fusions=False))
-    loops = [GraphrtLoop(hf, 4, 24, 8, dev, chunk=64, compile=c) for c in (*options, False)]
+    loops = [GraphrtLoop(hf, 1, 24, 8, dev, chunk=64, compile=c) for c in (*options, False)]
     firsts = [loop.prefill(ids, None) for loop in loops]
     tokens = [loop.decode(first, 6) for loop, first in zip(loops, firsts)]
     assert torch.equal(tokens[0], tokens[-1]), f"compiled {tokens[0].tolist()} != eager {tokens[-1].tolist()}"
