@@ -59,8 +59,9 @@ class CompileOptions:
                through graphrt's ``small_linear`` where it measured faster than cuBLAS, the
                ones that share an input in one launch (``graphrt.capture.linear_pass``).
     linear_fusions: with small_linear, also move the RMSNorms before those launches, the
-               residual adds after them and gated (SwiGLU, GeGLU) products into them (the same
-               pass). On by default; False keeps them as Inductor's kernels.
+               residual adds after them and gated (SwiGLU, GeGLU) products into them, in
+               steps of one row (the same pass; see docs/compile.md for what it measured).
+               On by default; False keeps them as Inductor's kernels.
     pdl:       launch the compiled steps' kernels as programmatic dependents of the kernel
                before them (sm_90+): Inductor's (``triton.enable_pdl``) and graphrt's own
                (attention, KV write, small_linear), so that a kernel of a decode step is set
