@@ -208,7 +208,8 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
     constant_weights: no kernel launched before this one in the stream writes the weights
                (a model's parameters): a programmatic dependent launch then loads its first
                weight tile before it waits for the kernel before it.
-    gate:    None, or [M, K] of x's dtype (contiguous rows): the input is then act(gate) * x.
+    gate:    None, or [M, K] of x's dtype (contiguous rows, any row stride): the input is
+               then act(gate) * x.
     activation: act, "silu" (SwiGLU) or "gelu_tanh" (GeGLU: gelu's tanh approximation).
     norm_weight: None, or [K] (x's dtype or fp32): the input is then x under an RMSNorm,
                x / sqrt(mean(x**2) + norm_eps) * w (w: norm_weight, or 1 + norm_weight

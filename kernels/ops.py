@@ -109,8 +109,9 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[Opti
     biases: one per weight, all tensors or all None; ``constant_weights``: the step writes
     none of the weights (the kernel may load them before the kernel before it has finished,
     under programmatic dependent launch); ``gate``, ``activation``: the input is
-    act(gate) * x (a SwiGLU or GeGLU down projection); ``norm_weight``, ``norm_eps``, ``norm_offset``: the input is x under
-    an RMSNorm; ``residual``: the output is residual + x @ w.T (one weight)."""
+    act(gate) * x (a SwiGLU or GeGLU down projection); ``norm_weight``, ``norm_eps``,
+    ``norm_offset``: the input is x under an RMSNorm; ``residual``: the output is
+    residual + x @ w.T (one weight)."""
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise ValueError("biases must be all tensors or all None")
     return _small_linear(x, weights, None if all(b is None for b in biases) else biases,

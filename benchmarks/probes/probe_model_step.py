@@ -101,8 +101,9 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"probe_model_step_{args.model}{'_options' if args.options else ''}{'' if args.pdl == 'off' else '_pdl_' + args.pdl}.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
-                                                                         rows=rows), indent=1))
+        name = f"probe_model_step_{args.model}{'_options' if args.options else ''}"
+        name += "" if args.pdl == "off" else f"_pdl_{args.pdl}"
+        (args.out / f"{name}.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
 
 
 if __name__ == "__main__":
