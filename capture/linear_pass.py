@@ -23,7 +23,8 @@ found in the forms a traced model's graph holds; a form not recognised stays as 
 - a one-weight launch whose output is added to a residual (``h + o``, the residual stream)
   adds it in its epilogue (at one row: past it o stays with cuBLAS, and its add is fused
   with the norm after it by Inductor, which takes one kernel either way).
-Measured on an H100 (bf16, Llama-1B's shapes, 50 launches a graph, µs a launch): at one
+Measured on an H100 (benchmarks/probes/probe_linear_fusions.py at 08e33d9: bf16, Llama-1B's
+shapes, 50 launches a graph, µs a launch): at one
 row the norm costs q/k/v 3.7 -> 4.3 and gate/up 23.2 -> 25.9, the gate costs down 7.4 -> 9.3,
 the residual o 3.6 -> 3.9, each saving an Inductor kernel (48 kernels and 78 µs of a
 Llama-1B decode step at batch 1: benchmarks/probes/probe_model_step.py); at 8 rows
