@@ -278,9 +278,10 @@ def _swiglu(x: torch.fx.Node):
     return None
 
 
-def _candidate(node: torch.fx.Node, devices: tuple[str, ...]):
+def _candidate(node: torch.fx.Node, devices: tuple[str, ...], fusions: bool):
     """(x, w, bias or None, prologue or None) where ``node`` is x @ w.T (+ bias) that
-    small_linear can run; the last, what x is made of (``_prologue``)."""
+    small_linear can run; the last, what x is made of (``_prologue``), looked for with
+    ``fusions`` at one row only (see the module's docstring)."""
     if node.op != "call_function" or node.kwargs:
         return None
     if node.target is aten.mm.default:
@@ -303,7 +304,7 @@ def _candidate(node: torch.fx.Node, devices: tuple[str, ...]):
         return None
     if bias is not None and (bv.dim() != 1 or bv.shape[0] != wv.shape[0] or bv.dtype != xv.dtype):
         return None
-    return x, w, bias, _prologue(x)
+    return x, w, bias, _prologue(x) if fusions and xv.shape[0] == 1 else None
 
 
 def _input_key(x: torch.fx.Node):
@@ -340,9 +341,7 @@ def group_small_linears(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda
         seen += _mutates(n)
     by_input: dict[torch.fx.Node, list] = {}
     for node in graph.nodes:
-        found = _candidate(node, devices)
-        if found is not None and (not fusions or _val(found[0]).shape[0] > 1):
-            found = (*found[:3], None)        # prologues at one row only (see the module's docstring)
+        found = _candidate(node, devices, fusions)
         if found is not None:
             by_input.setdefault((_input_key(found[0]), found[3]), []).append((node, *found))
     replaced = 0
