@@ -4,7 +4,7 @@
 # PART: tests | tests-517 (the suite on the image's transformers) | tests-transformers | demo-models | bench-model | sanitizer | sanitizer-each | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
 #       probe-ops | probe-pdl | ab-sampling | ab-host | bench-host | bench-capture | bench-runtime | bench-step | bench-sampling | bench-speculative (SPEC_ARGS, e.g. "--batches 1,8 --drafts 3 --sampled") | probe-model-step |
 #       bench-kernels | sweep-fp8 | sweep-prefill | probe-prefill-tma | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime, ab-kernels (ROUNDS, default 1), ab-sampling, ab-host (ROUNDS, default 2) and probe-step compare with the tree in $BASE
-#       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options (probe-step), or probe_model_step.py's (probe-model-step, e.g. "--model llama-8b --batches 1,32 --compiled-only"); SWEEP_ARGS: sweep_prefill.py options, e.g. "--new-kv --sizes 4096 16384"); JOBS: pytest workers for tests (default 10); HF_SITE: a folder of carried
+#       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options (probe-step), or probe_model_step.py's (probe-model-step, e.g. "--model llama-8b --batches 1,32 --compiled-only"); SWEEP_ARGS: sweep_prefill.py options, e.g. "--new-kv --sizes 4096 16384"); JOBS: pytest workers for tests (default 10); SHARD=K/N: the K-th of N parts of the suite (tests, tests-517: a cold machine needs about 600 s for the whole suite at 16 workers, more than one call); HF_SITE: a folder of carried
 #       packages put first on PYTHONPATH for the transformers parts (a newer transformers than the image's); MODEL_ARGS:
 #       graphrt.bench.model options, e.g. "--models llama-1b --prompts 512 --static-batches 1". Each part runs under its own
 #       `timeout` ($LIMIT seconds, default 300) and writes one log (or JSON) under OUT; a
@@ -27,16 +27,23 @@ if [ "${1:-}" = "tests+sanitizer" ]; then   # both at once (CPU-bound compiles b
   bash "$0" "$out" sanitizer
   wait $pid
 fi
+# the suite's options: -v names each failure as it happens (a run cut by $LIMIT has no summary);
+# SHARD=K/N runs every N-th test from the K-th on (tests/conftest.py), a suite longer than one call
+# as N calls; digest keeps the log short (the passed tests' lines dropped, counted at the end)
+suite="-v -rfE --durations=25 -p no:cacheprovider -n ${JOBS:-10}${SHARD:+ --shard $SHARD}"
+digest() { awk '/ PASSED /{p++; next} /^tests\/[^ ]+ $/ || /PytestBenchmarkWarning|warner\(/{next} {print}
+                END{print "== lines of passed tests: " p+0}'; }
 for part in "$@"; do
-  log="$out/${part}_$c.log"
+  shard=; case $part in tests*) shard=${SHARD:+_shard${SHARD%/*}of${SHARD#*/}} ;; esac
+  log="$out/${part}${shard}_$c.log"
   case $part in
-    tests) timeout "$limit" python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider -n "${JOBS:-10}" tests \
-             --ignore=tests/test_sanitizer.py ;;
+    tests) timeout "$limit" python3 -m pytest $suite tests --ignore=tests/test_sanitizer.py | digest
+           (exit "${PIPESTATUS[0]}") ;;
     tests-517) s517=/tmp/site517; rm -rf "$s517"; python3 -m pip install -q --no-index --no-deps --target "$s517" \
                  .whl/nvtx*.whl   # the same suite on the image's own transformers: nvtx alone carried
                PYTHONPATH=$s517 python3 -c "import transformers; print('transformers', transformers.__version__)"
-               PYTHONPATH=$s517 timeout "$limit" python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider \
-                 -n "${JOBS:-10}" tests --ignore=tests/test_sanitizer.py ;;
+               PYTHONPATH=$s517 timeout "$limit" python3 -m pytest $suite tests --ignore=tests/test_sanitizer.py | digest
+           (exit "${PIPESTATUS[0]}") ;;
     sanitizer) timeout "$limit" python3 -m pytest -q -rP -p no:cacheprovider -n 3 tests/test_sanitizer.py ;;
     sanitizer-each) s=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)   # one at a time,
                 # each report kept: the descriptor path alone first, then the test file's three runs
@@ -104,5 +111,5 @@ for part in "$@"; do
     *) echo "unknown part $part" ;;
   esac > "$log" 2>&1
   echo "rc=$?" >> "$log"
-  echo "== $part: $(tail -n 2 "$log" | tr '\n' ' ')"
+  echo "== $part: $(tail -n 3 "$log" | tr '\n' ' ')"
 done

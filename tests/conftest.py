@@ -32,7 +32,31 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run the K-th of N parts of the collected tests (every N-th test from the K-th on, "
+                          "in collection order, so that a parametrised family spreads over the parts): "
+                          "a suite longer than one GPU call runs as N calls")
+
+
+def shard_of(spec: str) -> tuple[int, int]:
+    """(k, n) of a ``--shard K/N`` value, 1 <= k <= n."""
+    try:
+        k, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard takes K/N (two integers), got {spec!r}") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard K/N needs 1 <= K <= N, got {spec!r}")
+    return k, n
+
+
 def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if spec is not None:
+        k, n = shard_of(spec)
+        kept = [item for i, item in enumerate(items) if i % n == k - 1]
+        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k - 1])
+        items[:] = kept
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -62,3 +62,28 @@ def test_pythonpath_entries_are_on_sys_path():
     on_path = {Path(p or ".").resolve() for p in sys.path}
     missing = [p for p in entries if Path(p).resolve() != ROOT and Path(p).resolve() not in on_path]
     assert not missing, f"PYTHONPATH entries missing from sys.path: {missing}"
+
+
+def _collected(*args: str) -> list[str]:
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                          "tests/test_buckets.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return [line for line in run.stdout.splitlines() if "::" in line]
+
+
+def test_shards_split_the_suite_into_disjoint_parts_that_cover_it():
+    """``--shard K/N`` (tests/conftest.py): a GPU suite longer than one call runs as N calls."""
+    whole = _collected()
+    parts = [_collected("--shard", f"{k}/3") for k in (1, 2, 3)]
+    assert len(whole) >= 6 and all(parts), [len(p) for p in parts]
+    assert sorted(sum(parts, [])) == sorted(whole), "the parts do not cover the suite exactly once"
+    assert parts[0] == whole[0::3] and parts[2] == whole[2::3], "a part is not every third test in order"
+
+
+@pytest.mark.parametrize("spec", ["3/2", "0/2", "1", "a/b"])
+def test_a_bad_shard_is_refused(spec):
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                          "tests/test_buckets.py", "--shard", spec], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode != 0 and "--shard" in run.stderr + run.stdout, run.stdout[-1000:] + run.stderr[-1000:]
