@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from graphrt.kernels.ops import greedy as greedy_op
 from graphrt.kernels.ops import place_tokens as place_tokens_op
 from graphrt.kernels.ops import sample_kept as sample_kept_op
 from graphrt.kernels.ops import uniforms as uniforms_op
@@ -103,7 +104,7 @@ def prefill_step(state: SpecState, last_logits: Callable) -> Callable:
     def step(ctx):
         logits = last_logits(ctx)
         rows, valid = state.rows(ctx)
-        ids = ctx.sample(logits) if state.sampled else logits.argmax(dim=-1)  # [S]
+        ids = ctx.sample(logits) if state.sampled else greedy_op(logits)  # [S]
         state.length[rows] = torch.where(valid, ctx.meta.seq_lens, 0)
         state.tokens[rows, 0] = ctx.input_ids[ctx.last_token_index]
         state.tokens[rows, 1] = ids
@@ -126,7 +127,7 @@ def draft_step(state: SpecState, last_logits: Callable) -> Callable:
             ids, probs = ctx.sample(logits, probs=True)
             state.draft_probs[rows, col - 2] = probs
         else:
-            ids = logits.argmax(dim=-1)
+            ids = greedy_op(logits)
         state.tokens[rows, col] = ids
         return ids
     return step
@@ -148,7 +149,7 @@ def verify_step(state: SpecState, all_logits: Callable) -> Callable:
         if state.sampled:
             accepted, next_ids = _accept_sampled(ctx, state, logits[at.reshape(-1)], rows, row_tokens[:, 2:])
         else:
-            accepted, next_ids = accept_greedy(logits.argmax(dim=-1)[at], row_tokens[:, 2:])
+            accepted, next_ids = accept_greedy(greedy_op(logits)[at], row_tokens[:, 2:])
         emitted = row_tokens[:, 1:]                                             # [next, d_1 .. d_K]
         state.length[rows] = state.length[rows] + 1 + accepted
         state.tokens[rows, 0] = row_tokens.gather(1, 1 + accepted.long()[:, None]).squeeze(1)

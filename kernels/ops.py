@@ -7,7 +7,8 @@ functionalization and Inductor's re-inplacing keep the writes). Their fake
 implementations do nothing: every output is an argument. Eager code should call
 ``graphrt.kernels.write_kv`` / ``paged_attention`` directly (no dispatcher overhead);
 ``graphrt.StepContext.attention`` switches to these ops while it is being compiled.
-``torch.ops.graphrt.sample`` draws a step's next tokens (``StepContext.sample``), ``sample_kept``
+``torch.ops.graphrt.sample`` draws a step's next tokens (``StepContext.sample``), ``greedy`` takes
+each row's first maximum (in two launches where ``argmax`` reads a row with one block), ``sample_kept``
 also gives the smallest logit each row kept, ``uniforms`` a speculative step's uniforms;
 ``torch.ops.graphrt.place_tokens`` places a speculative step's tokens (``graphrt.speculative``).
 ``torch.ops.graphrt.small_linear`` is a plain functional op: a compiled step's matmuls of a
@@ -24,6 +25,7 @@ from .kv_write import write_kv as _write_kv
 from .linear import small_linear as _small_linear
 from .metadata import AttentionMetadata
 from .paged_attention import paged_attention as _paged_attention
+from .sampling import greedy as _greedy
 from .sampling import sample as _sample
 from .sampling import uniforms as _uniforms
 from .speculative import place_tokens as _place_tokens
@@ -134,6 +136,17 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
 @sample.register_fake
 def _(logits, temperature, top_k, top_p, min_p, seed, counter):
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+@torch.library.custom_op("graphrt::greedy", mutates_args=())
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``graphrt.kernels.sampling.greedy``: [S] int64, each row's first maximum of logits [S, V]."""
+    return _greedy(logits)
+
+
+@greedy.register_fake
+def _(logits):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 

@@ -395,6 +395,54 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
 
 @triton.jit
+def _first_max_kernel(pmax_ptr, pidx_ptr, out_ptr, C, CP: tl.constexpr):
+    """Each row's first maximum from its chunks' (``_max_kernel``)."""
+    row = tl.program_id(0)
+    _, i_m = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+    tl.store(out_ptr + row, i_m.to(tl.int64))
+
+
+def greedy(logits: torch.Tensor, *, out: torch.Tensor | None = None, group: int | None = None) -> torch.Tensor:
+    """Each row's first maximum: [S] int64 from ``logits`` [S, V] (fp16, bf16 or fp32; rows
+    may have any stride, the vocabulary must be contiguous). ``sample``'s greedy answer in two launches
+    instead of its twenty: the row's chunks are read side by side (one program each at
+    small batches, as ``sample`` cuts them), then one program a row picks among them.
+    ``torch.argmax`` reads a row with one block of threads, which on a vocabulary of 128k
+    is tens of microseconds at batch 1.
+
+    NaN logits count as -inf (``torch.argmax`` takes a NaN as the maximum); a row with
+    nothing finite above -inf gives 0. out [S] int64 (given: written in place); group as
+    in ``sample`` (any value gives the same result)."""
+    check_tensor("logits", logits, dim=2)
+    check_runnable(logits.device)
+    s, v = logits.shape
+    if v < 1:
+        raise ValueError("logits must have at least one column")
+    if v >= 2 ** 31:
+        raise ValueError(f"logits has {v} columns; at most 2**31 - 1 fit the kernel's int32 indices")
+    if out is None:
+        out = torch.empty(s, dtype=torch.int64, device=logits.device)
+    else:
+        check_tensor("out", out, dim=1, dtypes=(torch.int64,), device=logits.device)
+        if out.shape[0] != s:
+            raise ValueError(f"out must have {s} entries, got {out.shape[0]}")
+    if s == 0:
+        return out
+    block, chunk, c = chunking(v)
+    if group is None:
+        group = grouping(s, c)
+    elif isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be an int >= 1, got {group!r}")
+    group = min(group, c)
+    pmax = torch.empty(s, c, dtype=torch.float32, device=logits.device)
+    pidx = torch.empty(s, c, dtype=torch.int32, device=logits.device)
+    _max_kernel[(s, -(-c // group))](logits, logits.stride(0), v, chunk, c, group, pmax, pidx, BLOCK=block,
+                                      num_warps=4)
+    _first_max_kernel[(s,)](pmax, pidx, out, c, CP=max(2, triton.next_power_of_2(c)), num_warps=4)
+    return out
+
+
+@triton.jit
 def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, N, BLOCK: tl.constexpr):
     i_s = tl.program_id(0)
     seed = tl.load(seed_ptr + i_s)

@@ -66,6 +66,8 @@ def _variants():
                                 "bestv_ptr": ptr("fp32"), "besti_ptr": ptr("i32"), "lowc_ptr": ptr("fp32"),
                                 "out_ptr": ptr("i64"), "lowest_ptr": ptr("fp32"), "C": "i32",
                                 "HAS_LOWEST": "constexpr", "CP": "constexpr"}, {"HAS_LOWEST": has_lowest, "CP": 128}
+    yield ks._first_max_kernel, {"pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"), "out_ptr": ptr("i64"), "C": "i32",
+                                 "CP": "constexpr"}, {"CP": 128}
     yield ks._uniform_kernel, {"seed_ptr": ptr("i64"), "counter_ptr": ptr("i64"), "out_ptr": ptr("fp32"), "N": "i32",
                                "BLOCK": "constexpr"}, {"BLOCK": 16}
     # small_linear as a programmatic dependent launch (CompileOptions(pdl=True)), one row and 16

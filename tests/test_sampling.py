@@ -13,7 +13,7 @@ import torch
 
 from _cases import fresh_seed, rngs
 from graphrt.kernels import reference
-from graphrt.kernels.sampling import kept_probs, philox_uniform, sample, uniforms
+from graphrt.kernels.sampling import greedy, kept_probs, philox_uniform, sample, uniforms
 from graphrt.sampling import GREEDY, SamplingParams
 
 HAS_CUDA = torch.cuda.is_available()
@@ -91,6 +91,57 @@ def test_sample_matches_reference(dtype, vocab, device):
     for i, row in enumerate(rows):      # greedy: the first maximum (lowest is the maximum, which ties share)
         if row[0] == 0:
             assert int(ids[i]) == int(torch.argmax(logits[i].float().cpu())), f"row {i} (seed {seed})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 2, 1000, 1025, 40000], ids=lambda v: f"V{v}")
+def test_greedy_is_the_first_maximum(dtype, vocab, device):
+    """``greedy`` against ``torch.argmax`` (the first maximum) on float64 copies: random
+    rows, rows of ties (small integers), masked rows, a row strided out of a wider tensor,
+    and every grouping of the chunks giving the same answer."""
+    from graphrt.kernels.sampling import chunking
+
+    seed = fresh_seed()
+    _, gen = rngs(seed)
+    s = 9
+    wide = torch.randn(s, vocab + 5, generator=gen, dtype=torch.float64) * 3
+    wide[1] = torch.randint(0, 3, (vocab + 5,), generator=gen).double()      # many ties at the maximum
+    wide[2, : vocab // 2] = -math.inf                                          # a masked half
+    wide[3] = -math.inf                                                        # nothing finite: 0
+    wide[4, -6] = 1e4                                                          # the last column
+    logits = wide.to(device=device, dtype=dtype)[:, :vocab]                   # rows strided by vocab + 5
+    want = torch.argmax(logits.double().cpu(), dim=1)
+    want[3] = 0
+    got = greedy(logits)
+    assert got.dtype == torch.int64 and torch.equal(got.cpu(), want), \
+        f"seed {seed}: rows {torch.nonzero(got.cpu() != want).flatten().tolist()} differ"
+    chunks = chunking(vocab)[2]
+    for group in sorted({1, 3, chunks}):
+        assert torch.equal(greedy(logits, group=group).cpu(), want), f"group {group} (seed {seed})"
+    out = torch.full((s,), -1, dtype=torch.int64, device=device)
+    assert greedy(logits, out=out) is out and torch.equal(out.cpu(), want)
+    from graphrt.kernels import ops
+    assert torch.equal(ops.greedy(logits).cpu(), want)        # torch.ops.graphrt.greedy
+
+
+def test_greedy_takes_nan_as_minus_infinity_and_refuses_bad_input(device):
+    nan, ninf = math.nan, -math.inf
+    rows = torch.tensor([[nan, 1.0, nan], [nan, nan, nan], [ninf, nan, -2.0], [3.0, 3.0, nan]], device=device)
+    assert greedy(rows).tolist() == [1, 0, 2, 0]
+    assert greedy(torch.zeros(0, 8, device=device)).shape == (0,)
+    with pytest.raises(ValueError, match="logits must have 2 dims"):
+        greedy(torch.zeros(8, device=device))
+    with pytest.raises(ValueError, match="at least one column"):
+        greedy(torch.zeros(2, 0, device=device))
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        greedy(torch.zeros(8, 2, device=device).t())
+    with pytest.raises(TypeError, match="logits must have dtype"):
+        greedy(torch.zeros(2, 8, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="out must have 2 entries"):
+        greedy(torch.zeros(2, 8, device=device), out=torch.zeros(3, dtype=torch.int64, device=device))
+    for group in (0, 1.5, True):
+        with pytest.raises(ValueError, match="group must be an int >= 1"):
+            greedy(torch.zeros(2, 8, device=device), group=group)
 
 
 def test_chunks_walked_together_or_apart_draw_the_same(device):

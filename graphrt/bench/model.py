@@ -193,10 +193,15 @@ class GraphrtLoop:
 
     def decode(self, first: torch.Tensor, steps: int) -> torch.Tensor:
         """``steps`` greedy decodes of the whole batch from ``first`` ([batch] ids on the
-        device); returns the tokens [batch, steps + 1] (first included). No host sync."""
+        device); returns the tokens [batch, steps + 1] (first included). No host sync. The
+        token is ``graphrt.kernels.greedy`` of the logits (the first maximum, as ``argmax``,
+        in two launches: torch's ``argmax`` of one 128k row took 36 us of a 1.07 ms step on
+        the H200, benchmarks/results/h200/probe_model_step_llama-1b_b1b8_0802a1e.json)."""
+        from graphrt.kernels import greedy
+
         tokens, ids = [first], first
         for i in range(steps):
-            ids = self.rt.step(self._decode_step(i), ids)[: self.batch].argmax(-1)
+            ids = greedy(self.rt.step(self._decode_step(i), ids)[: self.batch])
             tokens.append(ids)
         return torch.stack(tokens, 1)
 

@@ -86,6 +86,7 @@ def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: l
         iterations: int | None = None, sampled: bool = False, quiet: bool = False) -> list[dict]:
     from graphrt import Runtime, SamplingParams, SeqStep, Step
     from graphrt.integrations.transformers import TransformersModel
+    from graphrt.kernels.ops import greedy as greedy_op
     from graphrt.speculative import SpeculativeLoop, SpecState, speculative_runtimes
 
     cuda = torch.cuda.is_available()
@@ -112,7 +113,7 @@ def run(*, quick: bool, out: Path, batches: list[int] | None = None, drafts_k: l
             cfg = target.runtime_config(block_size=block, num_blocks=batch * per_req + 1, max_num_seqs=batch,
                                         max_num_tokens=max(batch * prompt, batch * (k + 1)),
                                         max_model_len=per_req * block, speculative=True, sampling=sampled)
-            pick = (lambda ctx: ctx.sample(target(ctx))) if sampled else (lambda ctx: target(ctx).argmax(-1))
+            pick = (lambda ctx: ctx.sample(target(ctx))) if sampled else (lambda ctx: greedy_op(target(ctx)))
             plain = Runtime(cfg, pick, num_layers=target.num_layers, device=device, strict=False)
             if cuda:
                 plain.capture(decode_buckets=[batch], mixed_buckets=[], quiet=True)
