@@ -7,6 +7,8 @@ another of the bench's models (llama-8b, gemma3-4b: its prompts hold an image), 
 skips the eager loop; ``--fusions both`` runs the compiled loop with the linear pass's fusions
 (norms, residual adds, gated products inside its launches) and without, one after the other;
 ``--pdl both`` with programmatic dependent launches and without (with both, all four).
+graphrt's small_linear launches are also timed by their place in a layer (``linear_roles``:
+q/k/v, o, gate/up, down and the LM head, with the TB/s each streams its weights at).
 
     python3 benchmarks/probes/probe_model_step.py [--model llama-1b] [--batches 1,8] [--compiled-only]
         [--pdl [on|off|both]] [--fusions on|off|both] [--out DIR]
@@ -32,6 +34,40 @@ def kind_of(name: str) -> str:
     if name.startswith("triton_"):
         return "inductor fused"
     return "other"
+
+
+def linear_roles(durations_us: list[float], steps: int, layers: int, config) -> list[dict]:
+    """graphrt's small_linear launches of ``steps`` replayed steps, in launch order
+    (``durations_us``), by their place in a layer: per place the µs a launch (median over
+    the layers and steps) and, where the places are a Llama-like layer's (q/k/v, o, gate/up,
+    down at one row, where o and down are small_linear; q/k/v and gate/up past it, where they
+    go to cuBLAS) and the last launch is the LM head, the weights' bytes and the TB/s they
+    stream at. Empty where the launches do not divide into steps and layers."""
+    import statistics
+
+    n = len(durations_us)
+    if steps < 1 or n % steps or layers < 1 or (n // steps - 1) % layers:
+        return []
+    per_step = n // steps
+    per_layer = (per_step - 1) // layers
+    h = config.hidden_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    i, v = config.intermediate_size, config.vocab_size
+    weights = {4: [("qkv", h * (q + 2 * kv)), ("o", q * h), ("gate_up", 2 * h * i), ("down", i * h)],
+               2: [("qkv", h * (q + 2 * kv)), ("gate_up", 2 * h * i)]}.get(per_layer)
+    roles = []
+    for place in range(per_layer + 1):
+        last = place == per_layer
+        times = [durations_us[s * per_step + (per_step - 1 if last else layer * per_layer + place)]
+                 for s in range(steps) for layer in ([0] if last else range(layers))]
+        row = dict(place="last" if last else place, launches=len(times), us=round(statistics.median(times), 2))
+        if weights or last:
+            name, elems = ("lm_head", v * h) if last else weights[place]
+            row.update(role=name, mbytes=round(elems * 2 / 1e6, 2),
+                       tbps=round(elems * 2 / (row["us"] * 1e-6) / 1e12, 2))
+        roles.append(row)
+    return roles
 
 
 def main() -> None:
@@ -85,16 +121,23 @@ def main() -> None:
                     count += e.count
                     by_name.append((e.self_device_time_total / 4, e.count / 4, e.key[:90]))
             kernel_us = sum(by_kind.values())
+            launches = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+                              if e.device_type == torch.autograd.DeviceType.CUDA and "_linear_kernel" in e.name)
+            roles = linear_roles([us for _, us in launches], 4, hf.config.get_text_config().num_hidden_layers,
+                                 hf.config.get_text_config())
             # each kernel name: µs a step, launches a step, µs a launch (the heaviest 30)
             top = [[round(us, 1), n, round(us / max(n, 1e-9), 2), name]
                    for us, n, name in sorted(by_name, reverse=True)[:30]]
             row = dict(model=args.model, batch=batch, compiled=compiled, options=args.options if compiled else None,
                        pdl=compiled and compile_on.pdl, linear_fusions=compiled and compile_on.linear_fusions,
                        wall_us=wall_us, kernel_us=kernel_us,
-                       kernels_per_step=count / 4, **{f"{k} us": v for k, v in sorted(by_kind.items())}, top=top)
+                       kernels_per_step=count / 4, **{f"{k} us": v for k, v in sorted(by_kind.items())}, top=top,
+                       linear_roles=roles)
             rows.append(row)
-            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items() if k != "top"}),
-                  flush=True)
+            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()
+                              if k not in ("top", "linear_roles")}), flush=True)
+            for r in roles:      # small_linear by its place in a layer: µs a launch, TB/s of its weights
+                print("    linear", json.dumps(r), flush=True)
             for t in top:
                 print("   ", *t, flush=True)
             loop = None
