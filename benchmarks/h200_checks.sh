@@ -3,7 +3,7 @@
 #   bash benchmarks/h200_checks.sh OUT PART...
 # PART: tests | tests-517 (the suite on the image's transformers) | tests-transformers | demo-models | bench-model | sanitizer | sanitizer-each | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
 #       probe-ops | probe-pdl | ab-sampling | ab-host | bench-host | bench-capture | bench-runtime | bench-step | bench-sampling | bench-speculative (SPEC_ARGS, e.g. "--batches 1,8 --drafts 3 --sampled") | probe-model-step |
-#       bench-kernels | sweep-fp8 | sweep-prefill | probe-prefill-tma | sweep-splits | sweep-decode | ncu-decode | ncu-merge. ab-runtime, ab-kernels (ROUNDS, default 1), ab-sampling, ab-host (ROUNDS, default 2) and probe-step compare with the tree in $BASE
+#       bench-kernels | sweep-fp8 | sweep-prefill | probe-prefill-tma | sweep-splits | sweep-decode | ncu-decode | ncu-merge | ncu-model-step (NCU_COUNT kernels, default 140). ab-runtime, ab-kernels (ROUNDS, default 1), ab-sampling, ab-host (ROUNDS, default 2) and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options (probe-step), or probe_model_step.py's (probe-model-step, e.g. "--model llama-8b --batches 1,32 --compiled-only"); SWEEP_ARGS: sweep_prefill.py options, e.g. "--new-kv --sizes 4096 16384"); JOBS: pytest workers for tests (default 10); SHARD=K/N: the K-th of N parts of the suite (tests, tests-517: a cold machine needs about 600 s for the whole suite at 16 workers, more than one call); HF_SITE: a folder of carried
 #       packages put first on PYTHONPATH for the transformers parts (a newer transformers than the image's); MODEL_ARGS:
 #       graphrt.bench.model options, e.g. "--models llama-1b --prompts 512 --static-batches 1". Each part runs under its own
@@ -103,6 +103,13 @@ for part in "$@"; do
                     --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
                     --section LaunchStats --section WarpStateStats --section SchedulerStats \
                     python3 benchmarks/probes/probe_decode_ncu.py $shape; done ;;
+    ncu-model-step) # one compiled decode step of the bench's llama-1b at batch 1 (fusions on), each kernel under
+                # Nsight Compute, L2 flushed between kernels (ncu's default): time, DRAM bytes and rate, occupancy
+                timeout "$limit" ncu --nvtx --nvtx-include "regex:graphrt@replay bucket=decode.*/" --clock-control none \
+                  --launch-count "${NCU_COUNT:-140}" --csv --page raw --metrics gpu__time_duration.sum,dram__bytes_read.sum,\
+dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,\
+launch__block_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
+                  python3 benchmarks/probes/probe_model_step.py --batches 1 --compiled-only --ncu ${PROBE_ARGS:-} ;;
     ncu-merge) for merge in fused launch; do   # batch 1, 8k, 32 splits: the merge in place against a second launch
                  timeout "$limit" ncu --clock-control none --kernel-name regex:"_attn_kernel|_merge_kernel" \
                    --launch-skip 2 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \

@@ -11,7 +11,7 @@ graphrt's small_linear launches are also timed by their place in a layer (``line
 q/k/v, o, gate/up, down and the LM head, with the TB/s each streams its weights at).
 
     python3 benchmarks/probes/probe_model_step.py [--model llama-1b] [--batches 1,8] [--compiled-only]
-        [--pdl [on|off|both]] [--fusions on|off|both] [--out DIR]
+        [--pdl [on|off|both]] [--fusions on|off|both] [--out DIR] [--ncu]
 """
 
 from __future__ import annotations
@@ -83,6 +83,10 @@ def main() -> None:
     parser.add_argument("--fusions", choices=("on", "off", "both"), default="on",
                         help="CompileOptions.linear_fusions for the compiled loop (both: a row each)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--ncu", action="store_true",
+                        help="for Nsight Compute: the runtime's NVTX ranges on, and only the prompts and three "
+                             "decode steps a loop (no timing, no profiler): filter with --nvtx-include "
+                             "'regex:graphrt@replay bucket=decode.*/'")
     args = parser.parse_args()
     from graphrt.capture import CompileOptions
 
@@ -99,10 +103,16 @@ def main() -> None:
         ids, pixels = prompts(hf, batch, 512, 0)
         for compile_on in ([] if args.compiled_only else [False]) + compiled_variants:
             compiled = compile_on is not False
-            loop = GraphrtLoop(hf, batch, 512, 16, torch.device("cuda"), chunk=4096, compile=compile_on)
+            loop = GraphrtLoop(hf, batch, 512, 16, torch.device("cuda"), chunk=4096, compile=compile_on,
+                               nvtx=args.ncu)
             features = None if pixels is None else [
                 loop.lm.image_features(pixels[i: i + 1].to("cuda", torch.bfloat16)) for i in range(batch)]
             first = loop.prefill(ids, features)
+            if args.ncu:
+                loop.decode(first, 3)
+                torch.cuda.synchronize()
+                print(f"ncu: batch {batch}, compiled {compiled}: three decode steps run", flush=True)
+                continue
             loop.decode(first, 4)
             torch.cuda.synchronize()
             t0 = time.perf_counter()

@@ -140,9 +140,11 @@ def decode_bytes(hf, batch: int, context: int) -> int:
 class GraphrtLoop:
     """``TransformersModel`` on a Runtime sized for one cell: prompts prefilled in steps of
     up to ``chunk`` tokens (several sequences a step, an image never cut), then greedy
-    decodes of the whole batch whose next ids stay on the device."""
+    decodes of the whole batch whose next ids stay on the device. ``nvtx``: the runtime's
+    NVTX ranges on (what an Nsight Compute filter selects a decode step's kernels by)."""
 
-    def __init__(self, hf, batch: int, prompt: int, new_tokens: int, device, *, chunk: int, compile=False):
+    def __init__(self, hf, batch: int, prompt: int, new_tokens: int, device, *, chunk: int, compile=False,
+                 nvtx: bool = False):
         from graphrt import Runtime
         from graphrt.integrations.transformers import TransformersModel
 
@@ -153,7 +155,8 @@ class GraphrtLoop:
         self.cfg = self.lm.runtime_config(block_size=self.block, num_blocks=batch * self.per_seq,
                                           max_num_seqs=batch, max_num_tokens=self.chunk,
                                           max_model_len=self.per_seq * self.block, max_prefix_ranges=1)
-        self.rt = Runtime(self.cfg, self.lm, num_layers=self.lm.num_layers, device=device, compile=compile)
+        self.rt = Runtime(self.cfg, self.lm, num_layers=self.lm.num_layers, device=device, compile=compile,
+                          nvtx=nvtx)
         self.batch, self.prompt, self.device = batch, prompt, device
         self.capture_s = 0.0
         if device.type == "cuda" or compile:       # (without CUDA a compiled loop runs its compiled buckets)
