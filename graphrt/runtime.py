@@ -27,6 +27,7 @@ import torch
 from graphrt.buffers import DeviceViews, Layout, StepBuffers
 from graphrt.config import RuntimeConfig
 from graphrt.kernels import decode_splits, paged_attention, split_workspace, write_kv
+from graphrt.kernels.paged_attention import key_tile
 from graphrt.kernels.ops import attention_op
 from graphrt.kernels.ops import sample as sample_op
 from graphrt.kernels.ops import sample_kept as sample_kept_op
@@ -291,8 +292,7 @@ class Runtime:
             layout = prepared[0] if prepared else self.buffers.layout(bucket.num_seqs, bucket.num_tokens)
             self.buffers.stage_empty(layout)
             ctx = StepContext(self, self.buffers.device_views(layout), max_query_len=bucket.max_query_len,
-                              num_splits=(decode_splits(bucket.num_seqs, cfg.num_kv_heads, self.device)
-                                          if bucket.splits_kv else 1))
+                              num_splits=self._splits(bucket))
             self._prepared[bucket] = (layout, ctx)
             if self.compiler is not None and bucket.kind in self.compiler.options.kinds:
                 return self.compiler.for_bucket(bucket, ctx)
@@ -361,6 +361,18 @@ class Runtime:
         # which the guard's address pass refuses (TypeError) and the named pass reports
         return [self.buffers.arena, *embeds, *self.k_caches, *self.v_caches, *scales,
                 *map(dict.get, *self._weight_lookup)]
+
+    def _splits(self, bucket) -> int:
+        """A bucket's split-KV factor (1 where its attention does not split the keys): as
+        ``decode_splits`` picks for its sequences, and no more than the key tiles of the
+        longest context the config allows (``max_model_len``)."""
+        if not bucket.splits_kv:
+            return 1
+        cfg = self.cfg
+        keys = key_tile(cfg.head_dim, cfg.dtype, cfg.num_q_heads // cfg.num_kv_heads,
+                        max_query_len=bucket.max_query_len, num_tokens=bucket.num_tokens)
+        return decode_splits(bucket.num_seqs, cfg.num_kv_heads, self.device,
+                             max_key_tiles=-(-cfg.max_model_len // keys))
 
     def _uniform_q(self, step: Step) -> int | None:
         """Every sequence's query length where they are all one length that a verify bucket

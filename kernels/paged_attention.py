@@ -157,18 +157,39 @@ def default_config(head_dim: int, dtype: torch.dtype, queries_per_kv: int, *,
                         short_block_n=short_n)
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str) -> int:
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device | str, *,
+                  max_key_tiles: int | None = None) -> int:
     """Split-KV factor for a decode launch of ``num_seqs`` sequences, fixed before capture:
     about two programs per SM (sequences x KV heads x splits), rounded down to a power of
-    two, at most 64; the split lengths then follow each step's contexts on the device. 1
-    off CUDA. (The power of two once bounded the kernel variants; the split count is now a
-    launch dimension, so any factor is free: ``benchmarks/probes/sweep_splits.py`` measures them.)"""
+    two, at most 64, and (given ``max_key_tiles``, the key tiles of the longest context the
+    launch can see) no more than a sequence's key tiles, since a split holds whole tiles and
+    the splits past them idle while the merge reads their empty partials (four splits or
+    fewer merge inside the launch: ``FUSED_MERGE_MAX_SPLITS``). The split lengths then follow
+    each step's contexts on the device. 1 off CUDA. (The power of two once bounded the
+    kernel variants; the split count is now a launch dimension, so any factor is free:
+    ``benchmarks/probes/sweep_splits.py`` measures them.)"""
     device = torch.device(device)
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, min(64, (2 * sms) // (num_seqs * num_kv_heads)))
+    return split_factor(torch.cuda.get_device_properties(device).multi_processor_count, num_seqs, num_kv_heads,
+                        max_key_tiles)
+
+
+def split_factor(sms: int, num_seqs: int, num_kv_heads: int, max_key_tiles: int | None = None) -> int:
+    """``decode_splits`` on a GPU of ``sms`` SMs."""
+    want = max(1, min(MAX_SPLITS, (2 * sms) // (num_seqs * num_kv_heads)))
+    if max_key_tiles is not None:
+        want = max(1, min(want, max_key_tiles))
     return 1 << (want.bit_length() - 1)
+
+
+def key_tile(head_dim: int, dtype: torch.dtype, queries_per_kv: int, *, max_query_len: int | None = None,
+             num_tokens: int | None = None) -> int:
+    """The fewest keys a tile of the default config's launch holds (``default_config``'s
+    ``block_n``, or its ``short_block_n`` for short queries when smaller): what
+    ``decode_splits``' ``max_key_tiles`` counts in."""
+    cfg = default_config(head_dim, dtype, queries_per_kv, max_query_len=max_query_len, num_tokens=num_tokens)
+    return min(cfg.block_n, cfg.short_block_n or cfg.block_n)
 
 
 def split_workspace(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,

@@ -54,3 +54,42 @@ def test_capture_refuses_verify_buckets_without_a_draft_count(drafts):
     rt = Runtime(cfg, ToyModel(cfg, num_layers=1, hidden=32, vocab=20), num_layers=1)
     with pytest.raises(ValueError, match="drafts must be an int >= 1 with verify_buckets"):
         rt.capture(decode_buckets=[1], mixed_buckets=[16], verify_buckets=[2], drafts=drafts)
+
+
+def test_split_factor_fills_the_gpu_and_stops_at_the_key_tiles():
+    """``decode_splits``' rule (``split_factor``): about two programs per SM, a power of two,
+    at most 64, and no more splits than the longest context has key tiles."""
+    from graphrt.kernels.paged_attention import MAX_SPLITS, split_factor
+
+    assert split_factor(132, 1, 8) == 32                # 264 programs / 8 KV heads: 33 -> 32
+    assert split_factor(132, 8, 8) == 4 and split_factor(132, 256, 8) == 1
+    assert split_factor(1000, 1, 1) == MAX_SPLITS
+    assert [split_factor(132, 1, 8, t) for t in (None, 64, 6, 4, 3, 1, 0)] == [32, 32, 4, 4, 2, 1, 1]
+
+
+@pytest.mark.parametrize("max_model_len,head_dim,want", [(656, 64, 4), (544, 64, 4), (65536, 64, 32),
+                                                         (256, 256, 4), (100, 64, 1)])
+def test_a_bucket_splits_no_further_than_its_longest_context(monkeypatch, max_model_len, head_dim, want):
+    """The runtime caps a decode bucket's split factor at the key tiles of ``max_model_len``
+    (the decode tile: 128 keys for head_dim <= 128 in bf16, 64 past it); a bucket that does
+    not split keys has 1. The GPU's 132 SMs stood in by ``split_factor``."""
+    import torch
+
+    import graphrt.runtime as runtime_module
+    from graphrt import Runtime, RuntimeConfig
+    from graphrt.kernels.paged_attention import split_factor
+    from graphrt.toy import ToyModel
+
+    seen = []
+
+    def on_132_sms(num_seqs, num_kv_heads, device, *, max_key_tiles=None):
+        seen.append(max_key_tiles)
+        return split_factor(132, num_seqs, num_kv_heads, max_key_tiles)
+
+    monkeypatch.setattr(runtime_module, "decode_splits", on_132_sms)
+    cfg = RuntimeConfig(num_q_heads=32, num_kv_heads=8, head_dim=head_dim, block_size=16, num_blocks=8,
+                        max_num_seqs=2, max_num_tokens=16, max_model_len=max_model_len, dtype=torch.bfloat16)
+    rt = Runtime(cfg, ToyModel(cfg, num_layers=1, hidden=32, vocab=20), num_layers=1)
+    assert rt._splits(Bucket(1, 1, "decode")) == want
+    assert seen == [-(-max_model_len // (128 if head_dim <= 128 else 64))]
+    assert rt._splits(Bucket(16, 2, "mixed")) == 1
