@@ -309,6 +309,37 @@ def grouping(rows: int, chunks: int) -> int:
     return min(chunks, max(1, -(-rows * chunks // PROGRAMS)))
 
 
+def _check_logits(logits) -> tuple[int, int]:
+    """(rows, vocabulary) of logits [S, V], checked."""
+    check_tensor("logits", logits, dim=2)
+    check_runnable(logits.device)
+    s, v = logits.shape
+    if v < 1:
+        raise ValueError("logits must have at least one column")
+    if v >= 2 ** 31:
+        raise ValueError(f"logits has {v} columns; at most 2**31 - 1 fit the kernel's int32 indices")
+    return s, v
+
+
+def _ids_out(out, s: int, device) -> torch.Tensor:
+    """The [s] int64 ids tensor to write: ``out`` checked, or a new one."""
+    if out is None:
+        return torch.empty(s, dtype=torch.int64, device=device)
+    check_tensor("out", out, dim=1, dtypes=(torch.int64,), device=device)
+    if out.shape[0] != s:
+        raise ValueError(f"out must have {s} entries, got {out.shape[0]}")
+    return out
+
+
+def _group(group, rows: int, chunks: int) -> int:
+    """Chunks a program walks: ``group`` checked (at most ``chunks``), or ``grouping``'s."""
+    if group is None:
+        return grouping(rows, chunks)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be an int >= 1, got {group!r}")
+    return min(group, chunks)
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor, *, out: torch.Tensor | None = None,
            lowest: torch.Tensor | None = None, group: int | None = None) -> torch.Tensor:
@@ -328,37 +359,22 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     them on the host before they are staged): a temperature below 0 acts as 0, top_p >= 1
     and top_k outside (0, V) as off. NaN logits count as -inf; a row of only -inf gives 0.
     """
-    check_tensor("logits", logits, dim=2)
-    check_runnable(logits.device)
-    s, v = logits.shape
-    if v < 1:
-        raise ValueError("logits must have at least one column")
-    if v >= 2 ** 31:
-        raise ValueError(f"logits has {v} columns; at most 2**31 - 1 fit the kernel's int32 indices")
+    s, v = _check_logits(logits)
     for name, t, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
                            ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
                            ("seed", seed, torch.int64), ("counter", counter, (torch.int64, torch.int32))):
         check_tensor(name, t, dim=1, dtypes=dtype if isinstance(dtype, tuple) else (dtype,), device=logits.device)
         if t.shape[0] != s:
             raise ValueError(f"{name} must have one entry per row of logits ({s}), got {t.shape[0]}")
-    if out is None:
-        out = torch.empty(s, dtype=torch.int64, device=logits.device)
-    else:
-        check_tensor("out", out, dim=1, dtypes=(torch.int64,), device=logits.device)
-        if out.shape[0] != s:
-            raise ValueError(f"out must have {s} entries, got {out.shape[0]}")
+    out = _ids_out(out, s, logits.device)
     if lowest is not None:
         check_tensor("lowest", lowest, dim=1, dtypes=(torch.float32,), device=logits.device)
         if lowest.shape[0] != s:
             raise ValueError(f"lowest must have {s} entries, got {lowest.shape[0]}")
+    block, chunk, c = chunking(v)
+    group = _group(group, s, c)
     if s == 0:
         return out
-    block, chunk, c = chunking(v)
-    if group is None:
-        group = grouping(s, c)
-    elif isinstance(group, bool) or not isinstance(group, int) or group < 1:
-        raise ValueError(f"group must be an int >= 1, got {group!r}")
-    group = min(group, c)
     cp = max(2, triton.next_power_of_2(c))
     dev = logits.device
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
@@ -413,27 +429,12 @@ def greedy(logits: torch.Tensor, *, out: torch.Tensor | None = None, group: int 
     NaN logits count as -inf (``torch.argmax`` takes a NaN as the maximum); a row with
     nothing finite above -inf gives 0. out [S] int64 (given: written in place); group as
     in ``sample`` (any value gives the same result)."""
-    check_tensor("logits", logits, dim=2)
-    check_runnable(logits.device)
-    s, v = logits.shape
-    if v < 1:
-        raise ValueError("logits must have at least one column")
-    if v >= 2 ** 31:
-        raise ValueError(f"logits has {v} columns; at most 2**31 - 1 fit the kernel's int32 indices")
-    if out is None:
-        out = torch.empty(s, dtype=torch.int64, device=logits.device)
-    else:
-        check_tensor("out", out, dim=1, dtypes=(torch.int64,), device=logits.device)
-        if out.shape[0] != s:
-            raise ValueError(f"out must have {s} entries, got {out.shape[0]}")
+    s, v = _check_logits(logits)
+    out = _ids_out(out, s, logits.device)
+    block, chunk, c = chunking(v)
+    group = _group(group, s, c)
     if s == 0:
         return out
-    block, chunk, c = chunking(v)
-    if group is None:
-        group = grouping(s, c)
-    elif isinstance(group, bool) or not isinstance(group, int) or group < 1:
-        raise ValueError(f"group must be an int >= 1, got {group!r}")
-    group = min(group, c)
     pmax = torch.empty(s, c, dtype=torch.float32, device=logits.device)
     pidx = torch.empty(s, c, dtype=torch.int32, device=logits.device)
     _max_kernel[(s, -(-c // group))](logits, logits.stride(0), v, chunk, c, group, pmax, pidx, BLOCK=block,
