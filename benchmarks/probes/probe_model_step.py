@@ -112,6 +112,8 @@ def main() -> None:
                 loop.decode(first, 3)
                 torch.cuda.synchronize()
                 print(f"ncu: batch {batch}, compiled {compiled}: three decode steps run", flush=True)
+                loop = None
+                torch.cuda.empty_cache()
                 continue
             loop.decode(first, 4)
             torch.cuda.synchronize()
