@@ -44,6 +44,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 aten = torch.ops.aten
 MAX_ROWS = 32                 # the rows measured (probe_linear: 1, 8, 32); more go to cuBLAS
 WIDE_OUTPUT = 32768
+FUSED_ROWS = 1                # the rows at which prologues and epilogues join a launch (the docstring's figures)
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -304,7 +305,7 @@ def _candidate(node: torch.fx.Node, devices: tuple[str, ...], fusions: bool):
         return None
     if bias is not None and (bv.dim() != 1 or bv.shape[0] != wv.shape[0] or bv.dtype != xv.dtype):
         return None
-    return x, w, bias, _prologue(x) if fusions and xv.shape[0] == 1 else None
+    return x, w, bias, _prologue(x) if fusions and xv.shape[0] == FUSED_ROWS else None
 
 
 def _input_key(x: torch.fx.Node):
@@ -421,7 +422,7 @@ def _add_residuals(graph: torch.fx.Graph) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     for call in [n for n in graph.nodes if n.target is torch.ops.graphrt.small_linear.default]:
         if len(call.args) < 9 or len(call.args[1]) != 1 or call.args[8] is not None or len(call.users) != 1 or \
-                _val(call.args[0]).shape[0] != 1:
+                _val(call.args[0]).shape[0] != FUSED_ROWS:
             continue
         (item,) = call.users
         found = _residual_add(item, call, order)
