@@ -340,7 +340,16 @@ def test_family_compiled_replayed(kind, dtype):
     Why the mean and not the worst for the 1.2x: the two steps round at different points
     (Inductor keeps fp32 between the ops it fuses), and the worst of a few thousand logits
     of two such paths is one draw of an extreme: over the 50 cases at d481a37 (H100) their
-    ratio reached 1.48 in cases whose mean errors agreed."""
+    ratio reached 1.48 in cases whose mean errors agreed.
+
+    The mixture-of-experts families route every token to every expert here
+    (``route_to_every_expert``): top-k routing is a discontinuous choice, and with these
+    wide tiny routers a low-precision path's router logits are off fp32's by more than the
+    gap at the k-th expert in most sequences (measured on the CPU in bf16: within the first
+    few tokens for 11 of 12 seeds), so which path happened to flip an expert, not how it
+    rounds, decided the ratio (qwen3-moe bf16 2.15x and mixtral fp16 1.49x at 4e5458e, H100).
+    The experts, their weighting and Inductor's code for them still run; top-k routing
+    itself is judged by the family tests against transformers."""
     if refused_by_this_release(kind):
         return
     seed = fresh_seed()
@@ -359,7 +368,7 @@ def compiled_and_eager_errors(kind: str, device, dtype, options: CompileOptions,
     import copy
 
     rng = np.random.default_rng(seed)
-    hf = tiny_model(kind, seed).to(device=device, dtype=dtype)
+    hf = route_to_every_expert(tiny_model(kind, seed)).to(device=device, dtype=dtype)
     if dtype == torch.float16 and hasattr(hf, "set_experts_implementation") and kind in MOE:
         hf.set_experts_implementation("batched_mm")     # (see run_and_compare)
     model = TransformersModel(hf)
@@ -390,9 +399,25 @@ def compiled_and_eager_errors(kind: str, device, dtype, options: CompileOptions,
     by_id = {id(r): e for r, e in zip(reqs, eager_reqs)}
     for step_index, row, r, entry in sampled:
         by_id[id(r)].logits[entry] = (r.logits[entry][0], both.rows[step_index][row])
-    fp32 = tiny_model(kind, seed).to(device=device, dtype=torch.float32)
+    fp32 = route_to_every_expert(tiny_model(kind, seed)).to(device=device, dtype=torch.float32)
     own = logit_error_of_own_forward(copy.deepcopy(fp32).to(dtype), fp32, rng, device)
     return logit_errors(fp32, reqs, device), logit_errors(fp32, eager_reqs, device), own
+
+
+def route_to_every_expert(model: torch.nn.Module) -> torch.nn.Module:
+    """A mixture-of-experts model with every token sent to all its experts (top-k = the
+    number of experts, weights the router's softmax; see test_family_compiled_replayed);
+    other models as they are."""
+    cfg = model.config
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if not experts:
+        return model
+    routed = [m for m in model.modules() if hasattr(m, "top_k")]
+    assert routed, f"{type(model).__name__}: no module with a top_k to set"
+    for m in routed:
+        m.top_k = experts
+    cfg.num_experts_per_tok = experts
+    return model
 
 
 def logit_error_of_own_forward(low, fp32, rng, device) -> float:
