@@ -186,15 +186,36 @@ def _attend_span(
 
 
 @triton.jit
+def _rotate(b_x, p_x, m_rows, o_tok, o_d, cos_ptr, sin_ptr, stride_cs_tok, ROPE_DIM: tl.constexpr):
+    """Rotary embedding of the rows b_x ([rows, HEAD_DIM_PAD], loaded from p_x under the row
+    mask m_rows), rotate-half form over its first ROPE_DIM columns (the rest pass through):
+    ``x * cos + rotate_half(x) * sin`` with rotate_half(x)[d] = -x[d + R/2] below R/2 and
+    x[d - R/2] from there, cos and sin the rows o_tok of [T, >= ROPE_DIM] tables; in fp32,
+    rounded once to x's dtype (what Inductor's fused kernel of that expression computes)."""
+    HALF: tl.constexpr = ROPE_DIM // 2
+    m_rot = o_d < ROPE_DIM
+    m = m_rows[:, None] & m_rot[None, :]
+    pair = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)
+    b_pair = tl.load(p_x + (pair - o_d)[None, :], mask=m, other=0.0).to(tl.float32)
+    o_cs = o_tok.to(tl.int64)[:, None] * stride_cs_tok + o_d[None, :]
+    b_cos = tl.load(cos_ptr + o_cs, mask=m, other=1.0).to(tl.float32)
+    b_sin = tl.load(sin_ptr + o_cs, mask=m, other=0.0).to(tl.float32)
+    sign = tl.where(o_d < HALF, -1.0, 1.0)
+    return (b_x.to(tl.float32) * b_cos + b_pair * sign[None, :] * b_sin).to(b_x.dtype)
+
+
+@triton.jit
 def _write_new_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                   i_kvh, q_start, ctx_len, w_lo, w_hi, num_q_rows, num_slots,
                   stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
                   stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
-                  o_d, m_d, KV_BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, ROUND_E4M3: tl.constexpr,
-                  ROWS: tl.constexpr):
+                  o_d, m_d, cos_ptr, sin_ptr, stride_cs_tok,
+                  KV_BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, ROUND_E4M3: tl.constexpr,
+                  ROWS: tl.constexpr, ROPE_DIM: tl.constexpr):
     """KV head i_kvh of the sequence's new keys at positions [w_lo, w_hi) (>= ctx_len: key
     p is token q_start + p - ctx_len) into the caches at their ``slot_mapping`` slots, as
-    ``write_kv`` writes them (slots outside the cache and tokens outside q's rows skipped)."""
+    ``write_kv`` writes them (slots outside the cache and tokens outside q's rows skipped);
+    with ROPE_DIM the keys rotated first (``_rotate``, the token's cos/sin rows)."""
     for w in range(w_lo, w_hi, ROWS):
         o_p = w + tl.arange(0, ROWS)
         o_t = q_start + (o_p - ctx_len)
@@ -203,7 +224,10 @@ def _write_new_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_p
         m_t = m_t & (slot >= 0) & (slot < num_slots)
         m = m_t[:, None] & m_d[None, :]
         o_t = o_t.to(tl.int64)
-        b_k = tl.load(k_new_ptr + o_t[:, None] * stride_kn_tok + i_kvh * stride_kn_head + o_d[None, :], mask=m)
+        p_kn = k_new_ptr + o_t[:, None] * stride_kn_tok + i_kvh * stride_kn_head + o_d[None, :]
+        b_k = tl.load(p_kn, mask=m)
+        if ROPE_DIM > 0:
+            b_k = _rotate(b_k, p_kn, m_t, o_t, o_d, cos_ptr, sin_ptr, stride_cs_tok, ROPE_DIM)
         b_v = tl.load(v_new_ptr + o_t[:, None] * stride_vn_tok + i_kvh * stride_vn_head + o_d[None, :], mask=m)
         if KV_FP8:
             b_k = _to_e4m3_values(b_k, tl.load(k_scale_ptr + i_kvh), ROUND_E4M3)
@@ -265,7 +289,7 @@ def _merge_tile(out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, p_out, p_po, p_p
 def _attend_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-    k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc,
+    k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc, cos_ptr, sin_ptr, stride_cs_tok,
     i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now, num_slots,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
@@ -284,6 +308,7 @@ def _attend_tile(
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, KV_OFF32: tl.constexpr, FUSE_MERGE: tl.constexpr,
     MERGE_ROWS: tl.constexpr, WRITE_KV: tl.constexpr, ROUND_E4M3: tl.constexpr, READ_NEW: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
 ):
     """One query tile (BLOCK_Q tokens x the QPK query heads of KV head i_kvh) of one
     sequence over this split's share of its visible key tiles; writes the output, or the
@@ -291,7 +316,9 @@ def _attend_tile(
     for the tile's last split to finish, which merges them, see ``_merge_tile``). With
     WRITE_KV it first writes the new tokens' K/V that its key tiles hold into the caches.
     With READ_NEW it reads the new keys from k_new/v_new (descriptors k_desc, v_desc) and
-    writes its own tokens' K/V into the caches."""
+    writes its own tokens' K/V into the caches. With ROPE_DIM (WRITE_KV only) the queries
+    and the new keys are rotated as they are loaded (``_rotate``)."""
+    tl.static_assert(ROPE_DIM == 0 or (WRITE_KV and not READ_NEW), "rotary embedding in WRITE_KV launches only")
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
     ctx_len = seq_len - q_len
@@ -409,12 +436,15 @@ def _attend_tile(
                       tl.minimum(st_hi * BLOCK_N, seq_len), num_q_rows, num_slots,
                       stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
                       stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
-                      o_d, m_d, KV_BLOCK_SIZE, KV_FP8, ROUND_E4M3, BLOCK_Q)
+                      o_d, m_d, cos_ptr, sin_ptr, stride_cs_tok, KV_BLOCK_SIZE, KV_FP8, ROUND_E4M3, BLOCK_Q,
+                      ROPE_DIM)
         tl.debug_barrier()
 
     # [BLOCK_M, HEAD_DIM_PAD]
     p_q = q_ptr + o_row.to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
     b_q = tl.load(p_q, mask=m_q[:, None] & m_d[None, :], other=0.0)
+    if ROPE_DIM > 0:
+        b_q = _rotate(b_q, p_q, m_q, o_row, o_d, cos_ptr, sin_ptr, stride_cs_tok, ROPE_DIM)
     if KV_FP8:       # K = codes * k_scale: folded into the logit scale; V's scale into the output
         scale_log2e = scale_log2e * tl.load(k_scale_ptr + i_kvh)
         if q_ptr.dtype.element_ty == tl.bfloat16:
@@ -467,7 +497,8 @@ def _attend_tile(
                           i_kvh, q_start, ctx_len, first_pos, tl.minimum(first_pos + BLOCK_Q, seq_len), num_q_rows,
                           num_slots, stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
                           stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
-                          o_d, m_d, KV_BLOCK_SIZE, KV_FP8, ROUND_E4M3, BLOCK_Q)
+                          o_d, m_d, cos_ptr, sin_ptr, stride_cs_tok, KV_BLOCK_SIZE, KV_FP8, ROUND_E4M3, BLOCK_Q,
+                          0)
 
     has_keys = l_i > 0.0
     b_o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -507,7 +538,7 @@ _PER_BUCKET = ["max_num_seqs", "num_q_rows", "stride_bt_blk", "stride_po_tok", "
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, prefix_ranges_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-    k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc,
+    k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc, cos_ptr, sin_ptr, stride_cs_tok,
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -527,7 +558,7 @@ def _attn_kernel(
     USE_WINDOW: tl.constexpr, WINDOW_RULE: tl.constexpr, USE_RANGES: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr, KV_OFF32: tl.constexpr, FUSE_MERGE: tl.constexpr,
     MERGE_ROWS: tl.constexpr, DECODE_MAP: tl.constexpr, WRITE_KV: tl.constexpr, ROUND_E4M3: tl.constexpr,
-    READ_NEW: tl.constexpr, PDL: tl.constexpr,
+    READ_NEW: tl.constexpr, PDL: tl.constexpr, ROPE_DIM: tl.constexpr,
 ):
     if PDL:
         # launched as a programmatic dependent of the kernel before it: wait for that one
@@ -599,7 +630,7 @@ def _attn_kernel(
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-            k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc,
+            k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc, cos_ptr, sin_ptr, stride_cs_tok,
             i_seq, 0, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now, num_slots,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
@@ -608,12 +639,13 @@ def _attn_kernel(
             scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, SHORT_Q, SHORT_BLOCK_N, MAX_RANGES,
             USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, KV_OFF32, FUSE_MERGE, MERGE_ROWS,
-            WRITE_KV or READ_NEW, ROUND_E4M3, False)   # (short tiles write then read back, as decode launches)
+            WRITE_KV or READ_NEW, ROUND_E4M3, False,   # (short tiles write then read back, as decode launches)
+            ROPE_DIM)
     else:
         _attend_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             prefix_ranges_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-            k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc,
+            k_new_ptr, v_new_ptr, slot_mapping_ptr, k_desc, v_desc, cos_ptr, sin_ptr, stride_cs_tok,
             i_seq, i_qblk, i_kvh, i_split, q_start, q_len, seq_len, num_q_rows, last_blk, merge_now, num_slots,
             stride_q_tok, stride_q_head, stride_k_blk, stride_k_tok, stride_k_head,
             stride_v_blk, stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
@@ -622,7 +654,7 @@ def _attn_kernel(
             scale_log2e, softcap, window,
             HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, QPK, QPK_PAD, BLOCK_Q, BLOCK_N, MAX_RANGES,
             USE_WINDOW, WINDOW_RULE, USE_RANGES, USE_SOFTCAP, SPLIT, IEEE_DOT, KV_FP8, KV_OFF32, FUSE_MERGE, MERGE_ROWS,
-            WRITE_KV, ROUND_E4M3, READ_NEW)
+            WRITE_KV, ROUND_E4M3, READ_NEW, ROPE_DIM)
 
 
 @triton.jit

@@ -82,22 +82,26 @@ def paged_attention_new_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
                            counters: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None,
                            window_rule: str = "clip", ranges: bool = True, softcap: Optional[float] = None,
                            num_splits: int = 1, max_query_len: Optional[int] = None,
-                           k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
+                           k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                           rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None) -> None:
     """``paged_attention`` that writes the new k, v ([T, Hkv, D]) into the caches in the same
     launch (``new_kv``): the caches are declared mutated, so it is a separate op from
-    ``graphrt::paged_attention``, whose caches are only read."""
+    ``graphrt::paged_attention``, whose caches are only read. With ``rope_cos`` and
+    ``rope_sin`` ([T, R]), q and k come before their rotary embedding, which the launch
+    applies (``paged_attention``'s ``rope``; what the compiled step's rotary pass makes)."""
     meta = AttentionMetadata(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                              prefix_ranges=prefix_ranges, slot_mapping=slot_mapping)
     workspace = None if part_o.numel() == 0 or part_lse.numel() == 0 else (part_o, part_lse, counters)
     _paged_attention(q, k_cache, v_cache, out, meta, scale=scale, window=window, window_rule=window_rule,
                      ranges=ranges, softcap=softcap, num_splits=num_splits, workspace=workspace,
-                     max_query_len=max_query_len, k_scale=k_scale, v_scale=v_scale, new_kv=(k, v))
+                     max_query_len=max_query_len, k_scale=k_scale, v_scale=v_scale, new_kv=(k, v),
+                     rope=None if rope_cos is None and rope_sin is None else (rope_cos, rope_sin))
 
 
 @paged_attention_new_kv.register_fake
 def _(q, k, v, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, prefix_ranges, slot_mapping, part_o,
       part_lse, counters, scale=None, window=None, window_rule="clip", ranges=True, softcap=None, num_splits=1,
-      max_query_len=None, k_scale=None, v_scale=None) -> None:
+      max_query_len=None, k_scale=None, v_scale=None, rope_cos=None, rope_sin=None) -> None:
     return None
 
 

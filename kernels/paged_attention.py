@@ -235,6 +235,42 @@ def _rows_descriptor(t: torch.Tensor, block_n: int, head_dim_pad: int):
     return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_n, head_dim_pad])
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ([T, H, D]) with its rotary embedding over the first R columns of each head (cos,
+    sin: [T, R]; ``paged_attention``'s ``rope``), as a new tensor: in fp32, rounded once to
+    x's dtype, as the decode launch computes it."""
+    half = cos.shape[1] // 2
+    xf = x.float()
+    rot = xf[..., : 2 * half]
+    turned = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    rot = rot * cos.float()[:, None, :] + turned * sin.float()[:, None, :]
+    return torch.cat((rot, xf[..., 2 * half:]), dim=-1).to(x.dtype)
+
+
+def _checked_rope(rope: object, new_kv: object, q: torch.Tensor, num_tokens: int, head_dim: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope`` checked (paged_attention's doc), as two tensors with one row stride and
+    contiguous rows."""
+    if new_kv is None:
+        raise ValueError("rope needs new_kv: the call rotates the new k it writes (and q)")
+    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+        raise TypeError(f"rope must be a pair (cos, sin) of [T, R] tensors, got {type(rope).__name__}")
+    for name, t in zip(("rope[0] (cos)", "rope[1] (sin)"), rope):
+        check_tensor(name, t, dim=2, dtypes=(q.dtype, torch.float32) if q.dtype != torch.float32 else (q.dtype,),
+                     device=device, last_contiguous=False)
+    cos, sin = rope
+    check_shape("rope[1] (sin)", sin, tuple(cos.shape))
+    rows, dim = cos.shape
+    if rows != num_tokens:
+        raise ValueError(f"rope tables have {rows} rows, q has {num_tokens}: one row per token slot")
+    if dim < 2 or dim % 2 or dim > head_dim:
+        raise ValueError(f"rope tables' width (the rotated columns) must be even, in [2, head_dim={head_dim}], "
+                         f"got {dim}")
+    if cos.stride(1) != 1 or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
 def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -245,7 +281,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
                     max_query_len: int | None = None, config: KernelConfig | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of the step's new tokens over their paged K/V; writes ``out`` in place.
 
     q:       [T, Hq, D] new-token queries (T = token capacity of this launch).
@@ -274,6 +311,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
              also read the new keys from k and v, in bulk copies (tensor descriptors,
              sm_90 and up) where k and v allow them (heads adjacent, 16-byte aligned rows);
              elsewhere a ``write_kv`` runs first and the launch reads the caches.
+    rope:    (cos, sin), each [T, R] (R even, at most D; q's dtype or float32), with
+             ``new_kv``: q and the new k are given before their rotary embedding, which the
+             call applies to the first R columns of each head (``rotate_half`` form:
+             ``x * cos + rotate_half(x) * sin``, cos and sin the token's rows, in fp32 and
+             rounded once to q's dtype; the columns past R pass through). Decode launches
+             rotate as they load q and k; others rotate first (``apply_rope``).
     """
     check_tensor("meta", meta.seq_lens, dim=1, dtypes=(torch.int32,))
     device = meta.device
@@ -320,6 +363,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             check_tensor(f"new_kv[{i}]", t, dim=3, dtypes=(q.dtype,), device=device)
             check_shape(f"new_kv[{i}]", t, (num_tokens, num_kv_heads, head_dim))
         check_tensor("meta.slot_mapping", meta.slot_mapping, dim=1, dtypes=(torch.int64,), device=device)
+    if rope is not None:
+        rope = _checked_rope(rope, new_kv, q, num_tokens, head_dim, device)
     qpk = num_q_heads // num_kv_heads
     cfg = config or default_config(head_dim, q.dtype, qpk, max_query_len=max_query_len, num_tokens=num_tokens)
     qpk_pad = triton.next_power_of_2(qpk)
@@ -380,6 +425,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     off32 = _offsets_fit_32(k_cache) and _offsets_fit_32(v_cache)
     k_new, v_new = new_kv if new_kv is not None else (out, out)     # (unused without WRITE_KV or READ_NEW)
     decode = max_query_len == 1
+    rope_dim, (cos, sin) = 0, (out, out)                              # (unused without ROPE_DIM)
+    if rope is not None and decode:
+        rope_dim, (cos, sin) = rope[0].shape[1], rope
+    elif rope is not None:          # a launch that reads k from k_new as it is: rotated first
+        q, k_new = apply_rope(q, *rope), apply_rope(k_new, *rope)
+        new_kv = (k_new, v_new)
     k_desc = v_desc = out                                             # (unused without READ_NEW)
     read_new = new_kv is not None and not decode
     if read_new:
@@ -393,6 +444,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out, part_o, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,
         k_scale if fp8 else out, v_scale if fp8 else out, counters, k_new, v_new, meta.slot_mapping, k_desc, v_desc,
+        cos, sin, cos.stride(0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -413,7 +465,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         SPLIT=num_splits > 1, IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and device.type == "cpu"),
         KV_FP8=fp8, KV_OFF32=off32, FUSE_MERGE=fuse_merge, MERGE_ROWS=_MERGE_ROWS, DECODE_MAP=decode,
         WRITE_KV=new_kv is not None and decode, ROUND_E4M3=new_kv is not None and fp8 and device.type == "cpu",
-        READ_NEW=read_new, PDL=pdl,
+        READ_NEW=read_new, PDL=pdl, ROPE_DIM=rope_dim,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )
     if num_splits > 1 and not merge_now:

@@ -616,3 +616,94 @@ def test_launch_of_no_token_slots(launch, device):
             "new-kv": dict(new_kv=(k, k))}[launch]
     paged_attention(q, k_cache, v_cache, torch.empty_like(q), meta, **opts)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def rotated64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ([T, H, D]) with its rotary embedding over the first R = cos.shape[1] columns
+    (rotate-half form), in float64: the reference of ``rope``."""
+    x, cos, sin = x.double(), cos.double()[:, None, :], sin.double()[:, None, :]
+    half = cos.shape[-1] // 2
+    rot = x[..., : 2 * half]
+    turned = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + turned * sin, x[..., 2 * half:]), dim=-1)
+
+
+ROPE_CASES = {   # launch options, head_dim, rotated columns
+    "decode": (dict(max_query_len=1), 64, 64),
+    "decode-split": (dict(max_query_len=1, num_splits=3), 64, 64),
+    "decode-split-merge-launch": (dict(max_query_len=1, num_splits=5,
+                                       config=KernelConfig(block_q=4, block_n=16, fuse_merge=False)), 64, 64),
+    "decode-partial": (dict(max_query_len=1), 64, 32),         # phi-style: half the columns rotated
+    "decode-head-80": (dict(max_query_len=1, num_splits=2), 80, 80),   # padded to 128 columns
+    "mixed": ({}, 64, 64),                                       # rotated first, then the launch
+    "mixed-split": (dict(num_splits=2), 64, 16),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("tables", ["own-dtype", "fp32"])
+@pytest.mark.parametrize("kind", sorted(ROPE_CASES))
+def test_launch_applies_rope(kind, tables, dtype, device):
+    """``rope``: q and the new k given before their rotary embedding, cos/sin rows per
+    token: the caches hold the rotated k and the output is attention over rotated q and k
+    (the float64 reference rotates, writes, then attends). Padding rows of the tables are
+    NaN, which no valid output may see. (bf16 runs on the GPU: the interpreter's bf16 dots.)"""
+    opts, head_dim, dim = ROPE_CASES[kind]
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    decode = opts.get("max_query_len") == 1
+    seqs = [S(1, int(c), ((1, 30),) if i == 0 else ()) for i, c in enumerate(rng.integers(0, 200, 4))] if decode \
+        else [S(1, 40, ((2, 30),)), S(30, 0, ((5, 20),)), S(17, 50), S(1, 0)]
+    total = sum(s.q_len for s in seqs)
+    num_blocks = sum(-(-s.seq_len // 16) for s in seqs) + 4
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=num_blocks, max_ranges=2, rng=rng, device=device,
+                         num_seqs=len(seqs) + 1, num_tokens=total + 3)
+    cache = lambda: torch.randn(num_blocks, 16, 2, head_dim, generator=gen).to(device=device, dtype=dtype)
+    k_cache, v_cache = cache(), cache()
+    k_new, v_new, q = (torch.randn(total + 3, h, head_dim, generator=gen).to(device=device, dtype=dtype)
+                       for h in (2, 2, 8))
+    angle = torch.rand(total + 3, dim // 2, generator=gen, dtype=torch.float64) * 2 * torch.pi
+    angle = torch.cat((angle, angle), dim=1)                     # HF's tables repeat the frequencies
+    table_dtype = dtype if tables == "own-dtype" else torch.float32
+    cos, sin = (f(angle).to(device=device, dtype=table_dtype) for f in (torch.cos, torch.sin))
+    cos[total:], sin[total:] = float("nan"), float("nan")
+    q_rot, k_rot = rotated64(q, cos, sin), rotated64(k_new, cos, sin)
+    k_ref, v_ref = k_cache.double(), v_cache.double()
+    reference.write_kv(k_rot, v_new.double(), k_ref, v_ref, meta.slot_mapping)
+    q_before, k_before = q.clone(), k_new.clone()
+    out = torch.full_like(q, float("nan"))
+
+    paged_attention(q, k_cache, v_cache, out, meta, new_kv=(k_new, v_new), rope=(cos, sin), **opts)
+
+    assert torch.equal(q, q_before) and torch.equal(k_new, k_before), "q or k was rotated in place"
+    atol, rtol = TOL[dtype]
+    assert_close("k_cache", k_cache, k_ref, atol, rtol, seed)
+    assert torch.equal(v_cache, v_ref.to(dtype)), f"v cache differs (seed={seed})"
+    assert_close("out", out[:total], reference.paged_attention(q_rot, k_ref, v_ref, meta), atol, rtol, seed)
+    assert torch.isnan(out[total:]).all(), f"padded rows of out were written (seed={seed})"
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (lambda c, s: (c, s, c), TypeError, "rope must be a pair"),
+    (lambda c, s: (c, None), TypeError, r"rope\[1\] \(sin\) must be a torch.Tensor"),
+    (lambda c, s: (c[:-1], s[:-1]), ValueError, "rope tables have"),
+    (lambda c, s: (c[:, :3], s[:, :3]), ValueError, "must be even"),
+    (lambda c, s: (c.double(), s.double()), TypeError, r"rope\[0\] \(cos\) must have dtype"),
+    (lambda c, s: (c, s[:, :2]), ValueError, r"rope\[1\] \(sin\)"),
+    ("no-new-kv", ValueError, "rope needs new_kv"),
+])
+def test_rope_refused(bad, error, match, device):
+    """Bad rotary tables get a clear error before anything is written: the caches and out
+    are as they were."""
+    seqs = [S(1, 20), S(1, 3)]
+    rng, gen = rngs(fresh_seed())
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=4, max_ranges=1, rng=rng, device=device)
+    k_cache, v_cache = (torch.randn(4, 16, 1, 32, generator=gen).to(device) for _ in range(2))
+    q, k, v = (torch.randn(2, h, 32, generator=gen).to(device) for h in (2, 1, 1))
+    cos, sin = torch.ones(2, 32, device=device), torch.zeros(2, 32, device=device)
+    before = [t.clone() for t in (k_cache, v_cache)]
+    out = torch.full_like(q, float("nan"))
+    new_kv, rope = (None, (cos, sin)) if bad == "no-new-kv" else ((k, v), bad(cos, sin))
+    with pytest.raises(error, match=match):
+        paged_attention(q, k_cache, v_cache, out, meta, max_query_len=1, new_kv=new_kv, rope=rope)
+    assert all(torch.equal(a, b) for a, b in zip((k_cache, v_cache), before)) and torch.isnan(out).all()
