@@ -62,6 +62,11 @@ class CompileOptions:
                residual adds after them and gated (SwiGLU, GeGLU) products into them, in
                steps of one row (the same pass; see docs/compile.md for what it measured).
                On by default; False keeps them as Inductor's kernels.
+    fuse_rope: the decode buckets' rotary embedding of q and k moved into the attention
+               launch, which rotates them as it loads them (``graphrt.capture.rope_pass``:
+               the rotate-half form transformers' decoders trace to; other forms stay as
+               they were). With Inductor, and with aot_eager too (its graphs then run the
+               pass, so that CPU runs check it).
     pdl:       launch the compiled steps' kernels as programmatic dependents of the kernel
                before them (sm_90+): Inductor's (``triton.enable_pdl``) and graphrt's own
                (attention, KV write, small_linear), so that a kernel of a decode step is set
@@ -81,6 +86,7 @@ class CompileOptions:
     kinds: tuple = KINDS
     linear_fusions: bool = True
     pdl: bool = False
+    fuse_rope: bool = True
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or not self.backend:
@@ -104,12 +110,12 @@ class CompileOptions:
             if not hasattr(inductor_config.triton, "enable_pdl"):
                 raise ValueError(f"CompileOptions.pdl needs Inductor's triton.enable_pdl, which torch "
                                  f"{torch.__version__} lacks")
-        for name in ("small_linear", "linear_fusions"):
+        for name in ("small_linear", "linear_fusions", "fuse_rope"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CompileOptions.{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.small_linear and "post_grad_custom_pre_pass" in (self.options or {}):
-            raise ValueError("CompileOptions.options sets post_grad_custom_pre_pass, which small_linear uses: "
-                             "pass small_linear=False to run your own pass there")
+        if (self.small_linear or self.fuse_rope) and "post_grad_custom_pre_pass" in (self.options or {}):
+            raise ValueError("CompileOptions.options sets post_grad_custom_pre_pass, which small_linear and "
+                             "fuse_rope use: pass small_linear=False and fuse_rope=False to run your own pass there")
         if (not isinstance(self.kinds, tuple) or not self.kinds
                 or any(k not in KINDS for k in self.kinds) or len(set(self.kinds)) != len(self.kinds)):
             raise ValueError(f"CompileOptions.kinds must be a tuple of distinct bucket kinds of {KINDS}, "
@@ -141,13 +147,16 @@ class CompileRecord:
     ops: Counter = field(default_factory=Counter)      # graphrt's ops in them, by name
     recompiles: int = 0            # later calls that compiled again (a guard of the first compile failed)
     small_linears: int = 0         # matmuls the small_linear pass rewrote (0 where Inductor's disk cache served)
+    ropes: int = 0                 # attention launches the rope pass gave their rotary embedding (likewise)
     caches: dict = field(default_factory=dict)          # Inductor's / AOTAutograd's disk caches: hits and misses
 
     def __str__(self) -> str:
         cached = ", ".join(f"{k} {v}" for k, v in self.caches.items() if v) or "no disk cache use"
         again = f", {self.recompiles} recompile(s)" if self.recompiles else ""
         linears = f", {self.small_linears} matmul(s) to small_linear" if self.small_linears else ""
-        return f"{self.bucket}: {self.seconds:.2f} s, {self.graphs} graph(s){again}{linears}, {cached}"
+        ropes = f", {self.ropes} rotary embedding(s) into attention" if self.ropes else ""
+        return f"{self.bucket}: {self.seconds:.2f} s, {self.graphs} graph(s){again}{linears}{ropes}, {cached}"
+
 
 
 class StepCompiler:
@@ -161,11 +170,15 @@ class StepCompiler:
         self.records: dict[Bucket, CompileRecord] = {}
         self._failed: dict[Bucket, str] = {}             # buckets refused, with why
         self._recording: CompileRecord | None = None     # the bucket whose step is being called
-        self._linear_pass = None
+        self._linear_pass = self._rope_pass = None
         if options.backend == "inductor" and options.small_linear:
             from .linear_pass import SmallLinearPass
 
             self._linear_pass = SmallLinearPass(fusions=options.linear_fusions)
+        if options.fuse_rope:
+            from .rope_pass import RopePass
+
+            self._rope_pass = RopePass()
         self._compiled = torch.compile(step_fn, backend=self._backend, dynamic=False, fullgraph=options.fullgraph)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
@@ -182,11 +195,22 @@ class StepCompiler:
             from torch._inductor.compile_fx import compile_fx
 
             patches = {**list_mode_options(self.options.mode or "default"), **(self.options.options or {}), **_FIXED}
-            if self._linear_pass is not None:
-                patches["post_grad_custom_pre_pass"] = self._linear_pass
+            passes = [p for p in (self._rope_pass, self._linear_pass) if p is not None]
+            if passes:
+                from .passes import PrePasses
+
+                patches["post_grad_custom_pre_pass"] = PrePasses(passes)
             if self.options.pdl:
                 patches["triton.enable_pdl"] = True
             inner = compile_fx(gm, example_inputs, config_patches=patches)
+        elif self.options.backend == "aot_eager" and self._rope_pass is not None:
+            from torch._dynamo.backends.debugging import boxed_nop
+
+            def forward(graph_module, inputs):
+                self._rope_pass(graph_module.graph)
+                graph_module.recompile()
+                return boxed_nop(graph_module, inputs)
+            inner = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs, fw_compiler=forward)
         else:
             inner = torch._dynamo.lookup_backend(self.options.backend)(gm, example_inputs)
 
@@ -236,11 +260,14 @@ class StepCompiler:
         record = CompileRecord(bucket)
         before = {name: counters[group][name] for group, name in _CACHE_COUNTERS}
         linears = self._linear_pass.replaced if self._linear_pass is not None else 0
+        ropes = self._rope_pass.replaced if self._rope_pass is not None else 0
         t0 = time.perf_counter()
         outputs = self._run(record, ctx)
         record.seconds = time.perf_counter() - t0
         if self._linear_pass is not None:
             record.small_linears = self._linear_pass.replaced - linears
+        if self._rope_pass is not None:
+            record.ropes = self._rope_pass.replaced - ropes
         record.caches = {name: counters[group][name] - before[name] for group, name in _CACHE_COUNTERS}
         if record.attention_ops != self.expected:
             self._failed[bucket] = (

@@ -191,7 +191,11 @@ def test_compile_options_refused(kwargs, match):
         Runtime(small_cfg(), lambda ctx: None, num_layers=1, device="cpu", compile="yes")
     with pytest.raises(TypeError, match="small_linear must be a bool"):
         CompileOptions(small_linear=1)
-    CompileOptions(small_linear=False, options={"post_grad_custom_pre_pass": None})    # their own pass: fine
+    CompileOptions(small_linear=False, fuse_rope=False, options={"post_grad_custom_pre_pass": None})   # their own pass
+    with pytest.raises(ValueError, match="fuse_rope=False"):
+        CompileOptions(small_linear=False, options={"post_grad_custom_pre_pass": None})
+    with pytest.raises(TypeError, match="fuse_rope must be a bool"):
+        CompileOptions(fuse_rope=None)
     with pytest.raises(TypeError, match="pdl must be a bool"):
         CompileOptions(pdl=1)
     with pytest.raises(TypeError, match="linear_fusions must be a bool"):
