@@ -77,6 +77,15 @@ def _rotate_half_of(node: object, half: int) -> torch.fx.Node | None:
     return hi[0]
 
 
+def _same(a: object, b: torch.fx.Node) -> bool:
+    """Whether a and b are one value: one node, or two slices of one node alike (a graph
+    not yet deduplicated holds ``x[..., :r]`` written twice as two nodes)."""
+    if a is b:
+        return True
+    sa, sb = _slice_of(a), _slice_of(b)
+    return sa is not None and sa == sb
+
+
 def _rotation_of(node: object) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
     """(x, C, S) where ``node`` is ``x * C + rotate_half(x) * S`` (operands in any order)."""
     if not _call(node, aten.add.Tensor) or len(node.args) != 2 or node.kwargs:
@@ -90,7 +99,7 @@ def _rotation_of(node: object) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.N
             continue
         for x, c in (plain.args, plain.args[::-1]):
             for r, s in (turned.args, turned.args[::-1]):
-                if isinstance(x, torch.fx.Node) and _rotate_half_of(r, half) is x:
+                if isinstance(x, torch.fx.Node) and _same(_rotate_half_of(r, half), x):
                     return x, c, s
     return None
 

@@ -98,12 +98,14 @@ def pytest_unconfigure(config):
 
 
 MODES = {"GATED", "NORM"}     # int constexprs that pick a code path (small_linear's), switches as bools are
+SWITCHES = {"ROPE_DIM"}       # int constexprs that turn a code path on when not 0 (the attention's rotary embedding)
 
 
 def _features(entry: dict) -> set:
     """A launch's switch values (bool constexprs and ``MODES``) and pointer types, alone and
     in pairs."""
-    items = sorted((k, v) for k, v in entry["constexprs"].items() if isinstance(v, bool) or k in MODES)
+    items = sorted((k, v if k not in SWITCHES else v != 0) for k, v in entry["constexprs"].items()
+                   if isinstance(v, bool) or k in MODES or k in SWITCHES)
     items += [(f"*{name}", t) for name, (t, _) in entry["params"].items() if t.startswith(("*", "tensordesc"))]
     return {(x,) for x in items} | set(itertools.combinations(items, 2))
 
