@@ -2,7 +2,9 @@
 
 ``Runtime(cfg, model, ..., compile=True)`` (or a ``CompileOptions``) hands each bucket's
 step to ``torch.compile`` when it is captured: Inductor fuses what surrounds graphrt's
-attention (norms, rotary embeddings, activations, residual adds), graphrt's custom ops
+attention (norms, rotary embeddings, activations, residual adds; graph passes move the
+decode steps' small matmuls, their norms and adds, and their rotary embeddings into graphrt's
+launches: ``linear_pass``, ``rope_pass``), graphrt's custom ops
 (``torch.ops.graphrt.*``) stay opaque calls inside the compiled code, and graphrt's capture
 records the result as the bucket's CUDA graph (Inductor's own CUDA graphs stay off: one
 owner per graph). Shapes are static per bucket (``dynamic=False``): each bucket is one
