@@ -223,9 +223,15 @@ def fuse_rope(graph: torch.fx.Graph) -> int:
 
             new = dict(kw, q=transposed(q[0]), k=transposed(k[0]), rope_cos=rows(q[1], q[4]),
                        rope_sin=rows(q[2], q[4]))
-        for n in (new["q"], new["k"], new["rope_cos"], new["rope_sin"]):
-            _set_val(n)
+        changed = ("q", "k", "rope_cos", "rope_sin")
+        for name in changed:
+            _set_val(new[name])
         node.kwargs = new
+        if "eager_input_vals" in node.meta:
+            # the values Inductor re-traces the op's call with (its decomposition of
+            # auto_functionalized): an argument missing there would be dropped as None
+            args, kwargs = node.meta["eager_input_vals"]
+            node.meta["eager_input_vals"] = (args, {**kwargs, **{name: new[name].meta["val"] for name in changed}})
         count += 1
     return count
 

@@ -640,14 +640,14 @@ ROPE_CASES = {   # launch options, head_dim, rotated columns
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tables", ["own-dtype", "fp32"])
 @pytest.mark.parametrize("kind", sorted(ROPE_CASES))
 def test_launch_applies_rope(kind, tables, dtype, device):
     """``rope``: q and the new k given before their rotary embedding, cos/sin rows per
     token: the caches hold the rotated k and the output is attention over rotated q and k
     (the float64 reference rotates, writes, then attends). Padding rows of the tables are
-    NaN, which no valid output may see. (bf16 runs on the GPU: the interpreter's bf16 dots.)"""
+    NaN, which no valid output may see."""
     opts, head_dim, dim = ROPE_CASES[kind]
     seed = fresh_seed()
     rng, gen = rngs(seed)

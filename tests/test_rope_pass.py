@@ -14,7 +14,8 @@ import torch
 from _cases import TOL, Seq, assert_close, build_meta, fresh_seed, rngs
 from graphrt import Runtime
 from graphrt.capture import CompileOptions
-from graphrt.capture.rope_pass import fuse_rope
+from graphrt.capture.passes import PrePasses
+from graphrt.capture.rope_pass import RopePass, fuse_rope
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -52,14 +53,26 @@ FORMS = {   # form, q and k share the tables, decode launch -> rewritten
 }
 
 
-@pytest.mark.parametrize("case", sorted(FORMS))
-def test_rope_pass_on_hand_written_steps(case, device):
+def inductor_available(device: torch.device) -> None:
+    """Skip unless Inductor can generate code here (a C++ compiler for the CPU)."""
+    import shutil
+
+    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        pytest.skip("Inductor's CPU code needs a C++ compiler")
+
+
+@pytest.mark.parametrize("backend,case", [("aot_eager", c) for c in sorted(FORMS)]
+                         + [("inductor", c) for c in ("plain", "partial", "tables-differ")])
+def test_rope_pass_on_hand_written_steps(backend, case, device):
     """A step that rotates q and k ([1, H, T, D], as transformers does) and hands them to
-    ``paged_attention_new_kv`` as [T, H, D], compiled with the pass in aot_eager's forward
-    compiler: the forms the launch takes are rewritten (one launch, given the tables), the
-    others left as they were; either way the output and the caches equal the uncompiled
-    step's (fp16; the rewritten launch rounds the rotation once, the uncompiled step after
-    each op, so within fp16's tolerance)."""
+    ``paged_attention_new_kv`` as [T, H, D], compiled with the pass (in aot_eager's forward
+    compiler, or in Inductor's pre-pass slot, where the op's call is traced again from the
+    values recorded with it): the forms the launch takes are rewritten (one launch, given
+    the tables), the others left as they were; either way the output and the caches equal
+    the uncompiled step's (fp16; the rewritten launch rounds the rotation once, the
+    uncompiled step after each op, so within fp16's tolerance)."""
+    if backend == "inductor":
+        inductor_available(device)
     form, shared, decode, rewritten = FORMS[case]
     dtype = torch.float16
     seed = fresh_seed()
@@ -100,8 +113,19 @@ def test_rope_pass_on_hand_written_steps(case, device):
         gm.recompile()
         return boxed_nop(gm, inputs)
 
+    def inductor(gm, inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        rope = RopePass()
+        # (Inductor's disk cache off: a cached graph would skip the pass, and the count)
+        compiled = compile_fx(gm, inputs, config_patches={"post_grad_custom_pre_pass": PrePasses([rope]),
+                                                          "fx_graph_cache": False})
+        rewrites.append(rope.replaced)
+        return compiled
+
     torch._dynamo.reset()
-    backend = functools.partial(torch._dynamo.lookup_backend("aot_eager"), fw_compiler=forward)
+    backend = functools.partial(torch._dynamo.lookup_backend("aot_eager"), fw_compiler=forward) \
+        if backend == "aot_eager" else inductor
     want_caches = [c.clone() for c in caches]
     want = step(xq, xk, v, cos, sin, cos_k, sin_k, *want_caches)
     got = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)(xq, xk, v, cos, sin, cos_k, sin_k,
@@ -144,3 +168,23 @@ def test_rope_pass_on_transformers_families(kind, device):
     rt.capture(decode_buckets=[2], mixed_buckets=[16], quiet=True)
     got = {r.bucket.kind: r.ropes for r in rt.compiler.records.values()}
     assert got == {"decode": FAMILIES[kind], "mixed": 0}, got
+
+
+def test_rope_pass_under_inductor_matches_transformers(device):
+    """A Llama compiled by Inductor (here; on the GPU the family tests do it in bf16 and
+    fp16) with the pass on: every decode bucket's two layers rewritten, and the loop's
+    logits within 1e-5 of transformers' fp32 forward, as the uncompiled step's are."""
+    pytest.importorskip("transformers")
+    from test_transformers import run_and_compare
+
+    if device.type == "cuda":
+        pytest.skip("the GPU's family tests compile with Inductor")
+    inductor_available(device)
+    seed = fresh_seed()
+    seen = []
+    options = CompileOptions(backend="inductor", options={"fx_graph_cache": False})
+    worst = run_and_compare("llama", device, torch.float32, capture=False, seed=seed, compile=options,
+                            on_runtime=lambda rt: seen.append(rt))
+    ropes = {r.bucket.kind: r.ropes for r in seen[0].compiler.records.values()}
+    assert ropes.get("decode", 0) == 2 and ropes.get("mixed", 0) == 0, ropes
+    assert worst < 1e-5, f"logits off by {worst:.2e} of max |logit| (seed={seed})"

@@ -27,11 +27,13 @@ MOE = ("qwen3-moe", "mixtral")
 
 
 def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk: int = 12, mask=None,
-                    alter=None, profile: bool = False, compile: CompileOptions | None = None, keep: bool = False):
+                    alter=None, profile: bool = False, compile: CompileOptions | None = None, keep: bool = False,
+                    on_runtime=None):
     """Worst |graphrt - transformers| / max |logit| over every sampled position (and, with
     ``profile``, the step count and the profiler's transfer counts; with ``keep``, the
     requests and the transformers model too). ``compile``: the runtime compiles each bucket
-    (on the CPU too, where the steps then run the compiled buckets)."""
+    (on the CPU too, where the steps then run the compiled buckets). ``on_runtime`` is
+    handed the runtime once it is made."""
     rng = np.random.default_rng(seed)
     hf = tiny_model(kind, seed).to(device=device, dtype=dtype)
     if capture and dtype == torch.float16 and hasattr(hf, "set_experts_implementation") and kind in MOE:
@@ -42,6 +44,8 @@ def run_and_compare(kind: str, device, dtype, *, capture: bool, seed: int, chunk
     cfg = model.runtime_config(block_size=16, num_blocks=64, max_num_seqs=4, max_num_tokens=48, max_model_len=128,
                                max_prefix_ranges=2)
     rt = Runtime(cfg, model, num_layers=model.num_layers, device=device, strict=capture, compile=compile or False)
+    if on_runtime is not None:
+        on_runtime(rt)
     if capture or compile:
         rt.capture(decode_buckets=[1, 2, 4], mixed_buckets=[16, 48], quiet=True)
     reqs = make_requests(rng, model, kind=kind, device=device)
