@@ -6,12 +6,14 @@ wall time over those kernels' sum (what is left is gaps between graph nodes). ``
 another of the bench's models (llama-8b, gemma3-4b: its prompts hold an image), ``--compiled-only``
 skips the eager loop; ``--fusions both`` runs the compiled loop with the linear pass's fusions
 (norms, residual adds, gated products inside its launches) and without, one after the other;
-``--pdl both`` with programmatic dependent launches and without (with both, all four).
+``--pdl both`` with programmatic dependent launches and without; ``--rope both`` with the rotary
+embedding moved into the attention launch (``CompileOptions.fuse_rope``) and without (the
+switches given as both multiply).
 graphrt's small_linear launches are also timed by their place in a layer (``linear_roles``:
 q/k/v, o, gate/up, down and the LM head, with the TB/s each streams its weights at).
 
     python3 benchmarks/probes/probe_model_step.py [--model llama-1b] [--batches 1,8] [--compiled-only]
-        [--pdl [on|off|both]] [--fusions on|off|both] [--out DIR] [--ncu]
+        [--pdl [on|off|both]] [--fusions on|off|both] [--rope on|off|both] [--out DIR] [--ncu]
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ def main() -> None:
                              "loop; both: a row each")
     parser.add_argument("--fusions", choices=("on", "off", "both"), default="on",
                         help="CompileOptions.linear_fusions for the compiled loop (both: a row each)")
+    parser.add_argument("--rope", choices=("on", "off", "both"), default="on",
+                        help="CompileOptions.fuse_rope for the compiled loop (both: a row each)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--ncu", action="store_true",
                         help="for Nsight Compute: the runtime's NVTX ranges on, and only the prompts and three "
@@ -92,7 +96,8 @@ def main() -> None:
 
     switch = {"on": (True,), "off": (False,), "both": (True, False)}
     compiled_variants = [CompileOptions(options=json.loads(args.options) if args.options else None, pdl=p,
-                                        linear_fusions=f) for p in switch[args.pdl] for f in switch[args.fusions]]
+                                        linear_fusions=f, fuse_rope=r)
+                         for p in switch[args.pdl] for f in switch[args.fusions] for r in switch[args.rope]]
     from torch.profiler import ProfilerActivity, profile
 
     from graphrt.bench.model import CONFIGS, GraphrtLoop, build, prompts
@@ -142,6 +147,7 @@ def main() -> None:
                    for us, n, name in sorted(by_name, reverse=True)[:30]]
             row = dict(model=args.model, batch=batch, compiled=compiled, options=args.options if compiled else None,
                        pdl=compiled and compile_on.pdl, linear_fusions=compiled and compile_on.linear_fusions,
+                       fuse_rope=compiled and compile_on.fuse_rope,
                        wall_us=wall_us, kernel_us=kernel_us,
                        kernels_per_step=count / 4, **{f"{k} us": v for k, v in sorted(by_kind.items())}, top=top,
                        linear_roles=roles)
@@ -158,6 +164,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         name = f"probe_model_step_{args.model}{'_options' if args.options else ''}"
         name += "" if args.pdl == "off" else f"_pdl_{args.pdl}"
+        name += "" if args.rope == "on" else f"_rope_{args.rope}"
         (args.out / f"{name}.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
 
 

@@ -321,6 +321,7 @@ def run_cell(name, hf, batch, prompt, new_tokens, device, *, chunk, hf_modes, se
         row["compile_kinds"] = list(compiled.kinds)
         row["compile_pdl"] = compiled.pdl
         row["compile_linear_fusions"] = compiled.linear_fusions
+        row["compile_fuse_rope"] = compiled.fuse_rope
         row["compile_records"] = [str(r) for r in loop.rt.compiler.records.values()]
         if features is not None:
             features = [loop.lm.image_features(dev_pixels[i: i + 1]) for i in range(batch)]
@@ -366,13 +367,14 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
         prompt_lens: list[int] | None = None, new_tokens: int | None = None, hf_modes: list[str] | None = None,
         static_batches: list[int] | None = None, quiet: bool = False, compile: bool = True,
         compile_kinds: tuple = ("decode", "mixed"), pdl: bool = False, logits: bool = True,
-        linear_fusions: bool = True) -> list[dict]:
+        linear_fusions: bool = True, fuse_rope: bool = True) -> list[dict]:
     """Every (model, prompt, batch) cell; transformers' static-cache generate (a compile per
     cell) only at ``static_batches`` where given; ``compile_kinds``: the bucket kinds the
     compiled loop compiles (``CompileOptions.kinds``); ``pdl``: its kernels launched as
     programmatic dependents (``CompileOptions.pdl``, CUDA only); ``linear_fusions``: norms,
     residual adds and gated products inside its linear launches (``CompileOptions.linear_fusions``,
-    CUDA only); ``logits``: judge the first
+    CUDA only); ``fuse_rope``: the decode steps' rotary embedding inside the attention launch
+    (``CompileOptions.fuse_rope``); ``logits``: judge the first
     decode step's logits against an fp32 copy of the model, made per cell after graphrt's loops
     are freed."""
     cuda = torch.cuda.is_available()
@@ -396,8 +398,8 @@ def run(*, quick: bool, out: Path, models: list[str] | None = None, batches: lis
     # Inductor on a GPU; on the CPU (the quick test) dynamo's trace without code generation
     compiled = None
     if compile:
-        compiled = (CompileOptions(kinds=compile_kinds, pdl=pdl, linear_fusions=linear_fusions) if cuda
-                    else CompileOptions(backend="aot_eager", kinds=compile_kinds))
+        compiled = (CompileOptions(kinds=compile_kinds, pdl=pdl, linear_fusions=linear_fusions, fuse_rope=fuse_rope)
+                    if cuda else CompileOptions(backend="aot_eager", kinds=compile_kinds, fuse_rope=fuse_rope))
     rows = []
     for name in models:
         hf = build(name, specs[name], device, dtype)
@@ -494,6 +496,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--linear-fusions", nargs="?", const="on", default="on", choices=("on", "off"),
                         help="norms, residual adds and gated products inside the compiled loop's linear launches "
                              "(CompileOptions.linear_fusions, on by default)")
+    parser.add_argument("--fuse-rope", nargs="?", const="on", default="on", choices=("on", "off"),
+                        help="the decode steps' rotary embedding inside the attention launch "
+                             "(CompileOptions.fuse_rope, on by default)")
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")] if s else None
     run(quick=args.quick, out=args.out or default_out(), models=args.models.split(",") if args.models else None,
@@ -501,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
         hf_modes=None if args.hf is None else [m for m in args.hf.split(",") if m and m != "none"],
         static_batches=ints(args.static_batches), compile=not args.no_compile,
         compile_kinds=tuple(args.compile_kinds.split(",")), pdl=args.pdl, logits=not args.no_logits,
-        linear_fusions=args.linear_fusions == "on")
+        linear_fusions=args.linear_fusions == "on", fuse_rope=args.fuse_rope == "on")
 
 
 if __name__ == "__main__":
