@@ -160,7 +160,6 @@ class CompileRecord:
         return f"{self.bucket}: {self.seconds:.2f} s, {self.graphs} graph(s){again}{linears}{ropes}, {cached}"
 
 
-
 class StepCompiler:
     """Compiles ``step_fn(ctx)`` once per bucket, with ``options`` (a ``CompileOptions``);
     ``attention_calls``: how many graphrt attention calls a step makes when the options do

@@ -33,7 +33,6 @@ aten = torch.ops.aten
 _LAYOUT = {aten.select.int, aten.permute.default, aten.view.default, aten._unsafe_view.default,
            aten.reshape.default, aten.unsqueeze.default, aten.squeeze.dim, aten.clone.default,
            aten.transpose.int, aten.expand.default}
-_ENDLESS = 2 ** 62             # a slice's end "to the end" (what x[..., h:] traces to)
 
 
 def _val(node: object):
@@ -56,11 +55,9 @@ def _slice_of(node: object) -> tuple[torch.fx.Node, int, int] | None:
     if xv is None or step != 1 or dim not in (-1, xv.dim() - 1):
         return None
     width = xv.shape[-1]
-    return x, start or 0, width if end is None or end >= min(width, _ENDLESS) else end
-
-
-def _pair(node: torch.fx.Node, target) -> tuple[object, object] | None:
-    return (node.args[0], node.args[1]) if _call(node, target) and len(node.args) == 2 else None
+    start, end = start or 0, width if end is None else end
+    start, end = (min(max(i + width if i < 0 else i, 0), width) for i in (start, end))   # as Python clips them
+    return x, start, end
 
 
 def _rotate_half_of(node: object, half: int) -> torch.fx.Node | None:
