@@ -297,6 +297,38 @@ def test_compiled_decoder_with_pdl_matches_without():
     assert torch.equal(logits[0], logits[1]), (logits[0] - logits[1]).abs().max().item()
 
 
+@pytest.mark.gpu
+def test_compiled_decoder_rope_in_attention():
+    """``CompileOptions(fuse_rope=True)`` (the default) on a bf16 Llama, two sequences: each
+    decode bucket's two layers give the attention launch their rotary embedding, the
+    replayed decode step makes fewer launches than with ``fuse_rope=False``, and both give
+    the same greedy tokens and last logits within bf16 rounding of each other (the same
+    rotation in fp32, rounded once, in another kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from graphrt.bench.model import QUICK, GraphrtLoop, build, prompts
+
+    dev = torch.device("cuda")
+    hf = build("llama-tiny", QUICK["llama-tiny"], dev, torch.bfloat16)
+    ids, _ = prompts(hf, 2, 24, 0)
+    loops = [GraphrtLoop(hf, 2, 24, 8, dev, chunk=64, compile=CompileOptions(fuse_rope=f)) for f in (True, False)]
+    firsts = [loop.prefill(ids, None) for loop in loops]
+    tokens = [loop.decode(first, 6) for loop, first in zip(loops, firsts)]
+    assert torch.equal(tokens[0], tokens[1]), f"fused {tokens[0].tolist()} != unfused {tokens[1].tolist()}"
+    ropes = [{r.bucket.kind: r.ropes for r in loop.rt.compiler.records.values()} for loop in loops]
+    assert ropes[0].get("decode") == 2 and not any(ropes[1].values()), ropes
+    launches, logits = [], []
+    for loop, first in zip(loops, firsts):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            loop.decode(first, 1)
+            torch.cuda.synchronize()
+        launches.append(sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA))
+        logits.append(loop.step_logits(first).float())
+    assert launches[0] < launches[1], launches
+    worst = (logits[0] - logits[1]).abs().max().item() / logits[1].abs().max().item()
+    assert worst < 2e-2, worst
+
+
 def test_compiled_steps_sample_and_place_speculative_tokens(device):
     """graphrt's sampling and speculative placement trace as custom ops: a compiled step that
     samples draws the uncompiled step's tokens, and a compiled speculative loop gives the
