@@ -115,6 +115,50 @@ def test_fp8_launch_writes_new_kv(dt, splits, launch, device):
     assert torch.isnan(out[total:]).all(), "padded rows were written"
 
 
+@pytest.mark.parametrize("launch", ["decode", "mixed"])
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_fp8_launch_applies_rope(dt, launch, device):
+    """``rope`` with an fp8 cache: the new k is rotated (rounded to q's dtype) before it is
+    quantized, as ``apply_rope`` then the reference write do; q is rotated alike. The codes
+    equal the reference's where the rotation rounds alike (Triton may contract the rotation's
+    multiply-adds on a GPU, which can move a rounding by one step: at most 1 % of the codes,
+    each within one e4m3 step), and attention over them matches the reference's."""
+    from graphrt.kernels.paged_attention import apply_rope
+
+    dtype = DTYPES[dt]
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    seqs = [Seq(1, 40, ((2, 30),)), Seq(1, 0), Seq(1, 200), Seq(1, 15)] if launch == "decode" else \
+        [Seq(1, 40, ((2, 30),)), Seq(17, 150), Seq(3, 60), Seq(30, 0, ((5, 20),))]
+    total = sum(s.q_len for s in seqs)
+    meta, _ = build_meta(seqs, block_size=16, num_blocks=30, max_ranges=1, rng=rng, device=device, num_seqs=5,
+                         num_tokens=total + 2)
+    old_scale = torch.full((2,), 0.01, device=device)
+    k_cache, v_cache = (reference.quantize(torch.randn(480, 2, 64, generator=gen).to(device), old_scale)
+                        .view(30, 16, 2, 64) for _ in range(2))
+    k_new, v_new = ((torch.randn(total + 2, 2, 64, generator=gen)).to(device, dtype) for _ in range(2))
+    q = torch.randn(total + 2, 8, 64, generator=gen).to(device, dtype)
+    angle = torch.rand(total + 2, 16, generator=gen, dtype=torch.float64) * 6.3
+    cos, sin = (f(torch.cat((angle, angle), dim=1)).to(device, dtype) for f in (torch.cos, torch.sin))  # 32 of 64
+    k_rot, q_rot = apply_rope(k_new, cos, sin), apply_rope(q, cos, sin)
+    k_scale, v_scale = per_head_scales(k_rot[None]), per_head_scales(v_new[None])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k_rot, v_new, k_ref, v_ref, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    out = torch.full_like(q, float("nan"))
+
+    paged_attention(q, k_cache, v_cache, out, meta, max_query_len=1 if launch == "decode" else None,
+                    k_scale=k_scale, v_scale=v_scale, new_kv=(k_new, v_new), rope=(cos, sin))
+
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8)), f"fp8 V codes differ (seed={seed})"
+    differ = k_cache.view(torch.uint8) != k_ref.view(torch.uint8)
+    got, want = (reference.dequantize(c.flatten(0, 1), k_scale).double() for c in (k_cache, k_ref))
+    step = want.abs() / 8 + 2.0 ** -9 * k_scale.double().max()     # one e4m3 step (3 mantissa bits; subnormals)
+    assert differ.float().mean() <= 0.01 and ((got - want).abs() <= step).all(), \
+        f"fp8 K codes differ: {int(differ.sum())} (seed={seed})"
+    ref = reference.paged_attention(q_rot, k_cache, v_cache, meta, k_scale=k_scale, v_scale=v_scale)
+    assert_close("out", out[:total], ref, *TOL[dtype], seed)
+
+
 @pytest.mark.parametrize("how", ["write_kv", "decode-launch", "mixed-launch"])
 def test_fp8_codes_of_non_finite_values(how, device):
     """A NaN K/V value is stored as e4m3's NaN (of its sign), as a bf16 cache keeps it and
