@@ -58,7 +58,11 @@ def kernels(small: bool = False) -> int:
                     if not opts:      # and writing the new K/V itself
                         paged_attention(q[:4], kc, vc, out[:4], dmeta, num_splits=splits, max_query_len=1,
                                         new_kv=(k[:4], k[:4]))
-                        launches += 1
+                        # and rotating q and k as it loads them (the rotary pass's launch)
+                        cs = torch.randn(4, head_dim, device=dev, dtype=dtype)
+                        paged_attention(q[:4], kc, vc, out[:4], dmeta, num_splits=splits, max_query_len=1,
+                                        new_kv=(k[:4], k[:4]), rope=(cs, cs))
+                        launches += 2
                 else:
                     paged_attention(q, kc, vc, out, meta, num_splits=splits, **opts)
                     # and given the new K/V: written in the launch, new keys read from k (descriptors)
@@ -107,7 +111,8 @@ def kernels(small: bool = False) -> int:
         if trial % 3 == 0:        # a launch writing the new K/V itself (decode, or reading them from k)
             paged_attention(q, kc, kc.clone(), torch.empty_like(q), meta, num_splits=splits,
                             workspace=split_workspace(t, 8, 64, splits, dev) if splits > 1 else None,
-                            max_query_len=1 if trial % 2 else None, new_kv=(k, k))
+                            max_query_len=1 if trial % 2 else None, new_kv=(k, k),
+                            rope=(torch.randn(t, 32, device=dev, dtype=torch.bfloat16),) * 2 if trial % 4 else None)
             launches += 1
     launches += linear(small)
     launches += sampling_and_placement(small)
