@@ -64,7 +64,7 @@ def attention_variants(ints_as_one: bool) -> list[Variant]:
     """The attention and merge kernels with every mask option on: a prefill launch with
     the short-query path, split, windowed, soft-capped and with ranges, reading the new
     K/V through tensor descriptors (fp16); a decode launch writing the new K/V into an
-    e4m3 cache read by a bf16 query."""
+    e4m3 cache read by a bf16 query, rotating q and k (``rope``) as it loads them."""
     from graphrt.kernels.paged_attention import _attn_kernel, _merge_kernel
 
     common = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, KV_BLOCK_SIZE=16, QPK=4, QPK_PAD=4, MAX_RANGES=4,
@@ -72,15 +72,18 @@ def attention_variants(ints_as_one: bool) -> list[Variant]:
     fp32 = dict(part_o_ptr="fp32", part_lse_ptr="fp32", k_scale_ptr="fp32", v_scale_ptr="fp32")
     everything = dict(common, BLOCK_Q=64, BLOCK_N=64, SHORT_Q=4, SHORT_BLOCK_N=128, USE_WINDOW=True,
                       USE_RANGES=True, USE_SOFTCAP=True, SPLIT=True, KV_FP8=False, KV_OFF32=True, FUSE_MERGE=True,
-                      MERGE_ROWS=64, DECODE_MAP=False, WRITE_KV=False, ROUND_E4M3=False, READ_NEW=True, PDL=True)
+                      MERGE_ROWS=64, DECODE_MAP=False, WRITE_KV=False, ROUND_E4M3=False, READ_NEW=True, PDL=True,
+                      ROPE_DIM=0)
     fp8 = dict(common, BLOCK_Q=4, BLOCK_N=128, SHORT_Q=0, SHORT_BLOCK_N=0, USE_WINDOW=False,
                USE_RANGES=False, USE_SOFTCAP=False, SPLIT=False, KV_FP8=True, KV_OFF32=False, FUSE_MERGE=False,
-               MERGE_ROWS=64, DECODE_MAP=True, WRITE_KV=True, ROUND_E4M3=False, READ_NEW=False, PDL=False)
+               MERGE_ROWS=64, DECODE_MAP=True, WRITE_KV=True, ROUND_E4M3=False, READ_NEW=False, PDL=False,
+               ROPE_DIM=64)
     halves = dict(fp32, q_ptr="fp16", out_ptr="fp16", k_cache_ptr="fp16", v_cache_ptr="fp16", k_new_ptr="fp16",
                   v_new_ptr="fp16", slot_mapping_ptr="i64", k_desc="tensordesc<fp16[64, 128]>",
                   v_desc="tensordesc<fp16[64, 128]>")
     e4m3 = dict(fp32, q_ptr="bf16", out_ptr="bf16", k_cache_ptr="fp8e4nv", v_cache_ptr="fp8e4nv", k_new_ptr="bf16",
-                v_new_ptr="bf16", slot_mapping_ptr="i64", k_desc="*bf16", v_desc="*bf16")
+                v_new_ptr="bf16", slot_mapping_ptr="i64", k_desc="*bf16", v_desc="*bf16", cos_ptr="bf16",
+                sin_ptr="bf16")
     merge = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4, PDL=True)
     return [variant(_attn_kernel, everything, halves, ints_as_one, num_warps=8),
             variant(_attn_kernel, fp8, e4m3, ints_as_one),
