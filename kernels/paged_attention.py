@@ -444,7 +444,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out, part_o, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_table, meta.prefix_ranges,
         k_scale if fp8 else out, v_scale if fp8 else out, counters, k_new, v_new, meta.slot_mapping, k_desc, v_desc,
-        cos, sin, cos.stride(0),
+        cos, sin, cos.stride(0) if rope_dim else 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
