@@ -232,6 +232,29 @@ def test_pdl_launches_sets_the_switch_for_its_block_only(monkeypatch):
             pass
 
 
+def _llama_loops(batch: int, compiles: list) -> tuple[list, list, list]:
+    """The bench's bf16 tiny Llama on the GPU, one loop per ``compile`` setting (prompts of
+    24 tokens), each prefilled and decoded six greedy steps: (loops, first ids, tokens)."""
+    from graphrt.bench.model import QUICK, GraphrtLoop, build, prompts
+
+    dev = torch.device("cuda")
+    hf = build("llama-tiny", QUICK["llama-tiny"], dev, torch.bfloat16)
+    ids, _ = prompts(hf, batch, 24, 0)
+    loops = [GraphrtLoop(hf, batch, 24, 8, dev, chunk=64, compile=c) for c in compiles]
+    firsts = [loop.prefill(ids, None) for loop in loops]
+    return loops, firsts, [loop.decode(first, 6) for loop, first in zip(loops, firsts)]
+
+
+def _decode_kernels(loop, first) -> list:
+    """The profiler's CUDA kernel entries of one replayed decode step of ``loop``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        loop.decode(first, 1)
+        torch.cuda.synchronize()
+    return [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("small_linear,fusions", [(True, True), (True, False), (False, False)],
                          ids=["small-linear", "small-linear-unfused", "cublas"])
@@ -241,29 +264,14 @@ def test_compiled_decoder_runs_small_linear(small_linear, fusions):
     matmul launches than without) and gives the uncompiled loop's greedy tokens; with its
     fusions (``linear_fusions``, the default; one row only) the step makes fewer launches than
     without them (norms, residual adds and the SwiGLU product inside the linear launches)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from graphrt.bench.model import QUICK, GraphrtLoop, build, prompts
-
-    dev = torch.device("cuda")
-    hf = build("llama-tiny", QUICK["llama-tiny"], dev, torch.bfloat16)
-    ids, _ = prompts(hf, 1, 24, 0)
     options = [CompileOptions(small_linear=small_linear, linear_fusions=fusions)]
     if fusions:
         options.append(CompileOptions(linear_fusions=False))
-    loops = [GraphrtLoop(hf, 1, 24, 8, dev, chunk=64, compile=c) for c in (*options, False)]
-    firsts = [loop.prefill(ids, None) for loop in loops]
-    tokens = [loop.decode(first, 6) for loop, first in zip(loops, firsts)]
+    loops, firsts, tokens = _llama_loops(1, [*options, False])
     assert torch.equal(tokens[0], tokens[-1]), f"compiled {tokens[0].tolist()} != eager {tokens[-1].tolist()}"
-    launches = []
-    for loop, first in zip(loops[:-1], firsts):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            loop.decode(first, 1)
-            torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        launches.append(sum(e.count for e in events))
-        if len(launches) == 1:
-            names = [e.key for e in events]
+    kernels = [_decode_kernels(loop, first) for loop, first in zip(loops[:-1], firsts)]
+    launches = [sum(e.count for e in k) for k in kernels]
+    names = [e.key for e in kernels[0]]
     linear = [n for n in names if "_linear_kernel" in n]
     assert bool(linear) == small_linear, names
     if fusions:
@@ -278,17 +286,11 @@ def test_compiled_decoder_with_pdl_matches_without():
     graphrt's) launch as programmatic dependents; its replayed steps give the same greedy
     tokens and the same last logits as the compiled loop without it, bit for bit (the
     kernels are the same but for the wait at their start)."""
-    from graphrt.bench.model import QUICK, GraphrtLoop, build, prompts
     from graphrt.kernels._checks import pdl_supported
 
-    dev = torch.device("cuda")
-    if not pdl_supported(dev, True):
+    if not pdl_supported(torch.device("cuda"), True):
         pytest.skip("programmatic dependent launch needs sm_90 or newer")
-    hf = build("llama-tiny", QUICK["llama-tiny"], dev, torch.bfloat16)
-    ids, _ = prompts(hf, 4, 24, 0)
-    loops = [GraphrtLoop(hf, 4, 24, 8, dev, chunk=64, compile=CompileOptions(pdl=pdl)) for pdl in (True, False)]
-    firsts = [loop.prefill(ids, None) for loop in loops]
-    tokens = [loop.decode(first, 6) for loop, first in zip(loops, firsts)]
+    loops, firsts, tokens = _llama_loops(4, [CompileOptions(pdl=pdl) for pdl in (True, False)])
     assert torch.equal(tokens[0], tokens[1]), f"pdl {tokens[0].tolist()} != without {tokens[1].tolist()}"
     logits = []
     for loop, first in zip(loops, firsts):       # the first decode step again, its logits kept
@@ -304,26 +306,12 @@ def test_compiled_decoder_rope_in_attention():
     replayed decode step makes fewer launches than with ``fuse_rope=False``, and both give
     the same greedy tokens and last logits within bf16 rounding of each other (the same
     rotation in fp32, rounded once, in another kernel)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from graphrt.bench.model import QUICK, GraphrtLoop, build, prompts
-
-    dev = torch.device("cuda")
-    hf = build("llama-tiny", QUICK["llama-tiny"], dev, torch.bfloat16)
-    ids, _ = prompts(hf, 2, 24, 0)
-    loops = [GraphrtLoop(hf, 2, 24, 8, dev, chunk=64, compile=CompileOptions(fuse_rope=f)) for f in (True, False)]
-    firsts = [loop.prefill(ids, None) for loop in loops]
-    tokens = [loop.decode(first, 6) for loop, first in zip(loops, firsts)]
+    loops, firsts, tokens = _llama_loops(2, [CompileOptions(fuse_rope=f) for f in (True, False)])
     assert torch.equal(tokens[0], tokens[1]), f"fused {tokens[0].tolist()} != unfused {tokens[1].tolist()}"
     ropes = [{r.bucket.kind: r.ropes for r in loop.rt.compiler.records.values()} for loop in loops]
     assert ropes[0].get("decode") == 2 and not any(ropes[1].values()), ropes
-    launches, logits = [], []
-    for loop, first in zip(loops, firsts):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            loop.decode(first, 1)
-            torch.cuda.synchronize()
-        launches.append(sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA))
-        logits.append(loop.step_logits(first).float())
+    launches = [sum(e.count for e in _decode_kernels(loop, first)) for loop, first in zip(loops, firsts)]
+    logits = [loop.step_logits(first).float() for loop, first in zip(loops, firsts)]
     assert launches[0] < launches[1], launches
     worst = (logits[0] - logits[1]).abs().max().item() / logits[1].abs().max().item()
     assert worst < 2e-2, worst
