@@ -39,8 +39,8 @@ from typing import Callable
 import torch
 
 from graphrt.kernels.ops import greedy as greedy_op
+from graphrt.kernels.ops import kept_lowest as kept_lowest_op
 from graphrt.kernels.ops import place_tokens as place_tokens_op
-from graphrt.kernels.ops import sample_kept as sample_kept_op
 from graphrt.kernels.ops import uniforms as uniforms_op
 from graphrt.kernels.sampling import kept_probs
 from graphrt.kernels.speculative import accept_greedy, accept_rejection
@@ -172,10 +172,9 @@ def _accept_sampled(ctx, state: SpecState, logits: torch.Tensor, rows: torch.Ten
     def each(t: torch.Tensor) -> torch.Tensor:        # a sequence's setting for each of its K + 1 rows
         return t.repeat_interleave(k1)  # a copy: for one sequence a reshaped expand is a stride-0 view
     length = state.length[rows].long()
-    # the target's token after position length + i is at length + 1 + i: the draws' counter there
-    counter = (length[:, None] + 1 + torch.arange(k1, device=logits.device)).reshape(-1)
-    _, lowest = sample_kept_op(logits, each(cfg["temperature"]), each(cfg["top_k"]), each(cfg["top_p"]),
-                               each(cfg["min_p"]), each(cfg["seed"]), counter)
+    # p's kept sets: the filters' passes without a draw (the draws here are the acceptance's uniforms)
+    lowest = kept_lowest_op(logits, each(cfg["temperature"]), each(cfg["top_k"]), each(cfg["top_p"]),
+                            each(cfg["min_p"]))
     target = kept_probs(logits, each(cfg["temperature"]), lowest).view(s, k1, -1)
     u = uniforms_op(cfg["seed"], length + VERIFY_STREAM, k1)
     return accept_rejection(target, state.draft_probs[rows], drafts, u)

@@ -39,7 +39,7 @@ if __name__ != "kernels" or not _hand_over_shadowed_name():
 _LAZY = {
     "paged_attention": "paged_attention", "split_workspace": "paged_attention", "KernelConfig": "paged_attention",
     "default_config": "paged_attention", "WINDOW_RULES": "paged_attention", "decode_splits": "paged_attention",
-    "write_kv": "kv_write", "small_linear": "linear", "LinearConfig": "linear", "sample": "sampling", "greedy": "sampling", "place_tokens": "speculative", "accept_greedy": "speculative", "accept_rejection": "speculative", "reference": None, "ops": None,
+    "write_kv": "kv_write", "small_linear": "linear", "LinearConfig": "linear", "sample": "sampling", "greedy": "sampling", "kept_lowest": "sampling", "place_tokens": "speculative", "accept_greedy": "speculative", "accept_rejection": "speculative", "reference": None, "ops": None,
 }
 
 __all__ = ["AttentionMetadata", *_LAZY]

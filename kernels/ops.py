@@ -9,7 +9,8 @@ implementations do nothing: every output is an argument. Eager code should call
 ``graphrt.StepContext.attention`` switches to these ops while it is being compiled.
 ``torch.ops.graphrt.sample`` draws a step's next tokens (``StepContext.sample``), ``greedy`` takes
 each row's first maximum (in two launches where ``argmax`` reads a row with one block), ``sample_kept``
-also gives the smallest logit each row kept, ``uniforms`` a speculative step's uniforms;
+also gives the smallest logit each row kept, ``kept_lowest`` that alone (no draw), ``uniforms`` a
+speculative step's uniforms;
 ``torch.ops.graphrt.place_tokens`` places a speculative step's tokens (``graphrt.speculative``).
 ``torch.ops.graphrt.small_linear`` is a plain functional op: a compiled step's matmuls of a
 few rows become it after tracing (``graphrt.capture.linear_pass``).
@@ -26,6 +27,7 @@ from .linear import small_linear as _small_linear
 from .metadata import AttentionMetadata
 from .paged_attention import paged_attention as _paged_attention
 from .sampling import greedy as _greedy
+from .sampling import kept_lowest as _kept_lowest
 from .sampling import sample as _sample
 from .sampling import uniforms as _uniforms
 from .speculative import place_tokens as _place_tokens
@@ -167,6 +169,19 @@ def sample_kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 def _(logits, temperature, top_k, top_p, min_p, seed, counter):
     return (logits.new_empty(logits.shape[0], dtype=torch.int64),
             logits.new_empty(logits.shape[0], dtype=torch.float32))
+
+
+@torch.library.custom_op("graphrt::kept_lowest", mutates_args=())
+def kept_lowest(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor) -> torch.Tensor:
+    """``graphrt.kernels.sampling.kept_lowest``: [S] float32, the smallest logit ``sample``
+    keeps in each row, with no draw."""
+    return _kept_lowest(logits, temperature, top_k, top_p, min_p)
+
+
+@kept_lowest.register_fake
+def _(logits, temperature, top_k, top_p, min_p):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("graphrt::uniforms", mutates_args=())

@@ -213,9 +213,10 @@ def _mass_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr,
 @triton.jit
 def _draw_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
                  counter_ptr, pmax_ptr, pidx_ptr, kthr_ptr, hp_ptr, pkey_ptr, pneed_ptr, bestv_ptr, besti_ptr,
-                 lowc_ptr, CP: tl.constexpr, BLOCK: tl.constexpr):
+                 lowc_ptr, DRAW: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
     """Min-p and the draw over G chunks: each one's best Gumbel score among the kept tokens,
-    where, and its smallest kept logit."""
+    where, and its smallest kept logit (DRAW 0: the smallest kept logit alone, no uniforms
+    drawn; seed, counter, bestv and besti untouched)."""
     row = tl.program_id(0)
     g = tl.program_id(1)
     t = tl.load(temp_ptr + row)
@@ -227,10 +228,11 @@ def _draw_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr,
             if tl.load(top_p_ptr + row) < 1.0:
                 floor_key = tl.maximum(floor_key, _threshold(hp_ptr, pkey_ptr, pneed_ptr, row, S, C, CP))
             min_p = tl.load(min_p_ptr + row)
-            seed = tl.load(seed_ptr + row)
-            counter = tl.load(counter_ptr + row).to(tl.int64)
-            c_lo = (counter & 0xFFFFFFFF).to(tl.uint32)
-            c_hi = ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            if DRAW:
+                seed = tl.load(seed_ptr + row)
+                counter = tl.load(counter_ptr + row).to(tl.int64)
+                c_lo = (counter & 0xFFFFFFFF).to(tl.uint32)
+                c_hi = ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
             p_row = logits_ptr + row.to(tl.int64) * stride_row
             for c in range(g * G, tl.minimum(g * G + G, C)):
                 best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
@@ -244,39 +246,44 @@ def _draw_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr,
                         b_x = (b_l - m) * inv_t
                         m_keep = ((_keys(b_l) >= floor_key) & (tl.exp(b_x) >= min_p) & (o_v < end)
                                   & (b_l > float("-inf")))
-                        r0, _r1, _r2, _r3 = tl.philox(seed, o_v.to(tl.uint32), c_lo + o_v.to(tl.uint32) * 0,
-                                                      c_hi + o_v.to(tl.uint32) * 0, o_v.to(tl.uint32) * 0)
-                        b_u = tl.uint_to_uniform_float(r0)
-                        b_g = b_x - tl.log(-tl.log(b_u))
-                        b_g = tl.where(m_keep, b_g, float("-inf"))
-                        c_best = tl.max(b_g, axis=0)
-                        c_i = tl.min(tl.where(b_g == c_best, o_v, V), axis=0)
-                        take = c_best > best
-                        i_b = tl.where(take, c_i, i_b)
-                        best = tl.where(take, c_best, best)
+                        if DRAW:
+                            r0, _r1, _r2, _r3 = tl.philox(seed, o_v.to(tl.uint32), c_lo + o_v.to(tl.uint32) * 0,
+                                                          c_hi + o_v.to(tl.uint32) * 0, o_v.to(tl.uint32) * 0)
+                            b_u = tl.uint_to_uniform_float(r0)
+                            b_g = b_x - tl.log(-tl.log(b_u))
+                            b_g = tl.where(m_keep, b_g, float("-inf"))
+                            c_best = tl.max(b_g, axis=0)
+                            c_i = tl.min(tl.where(b_g == c_best, o_v, V), axis=0)
+                            take = c_best > best
+                            i_b = tl.where(take, c_i, i_b)
+                            best = tl.where(take, c_best, best)
                         lowest = tl.minimum(lowest, tl.min(tl.where(m_keep, b_l, float("inf")), axis=0))
-                tl.store(bestv_ptr + row * C + c, best)
-                tl.store(besti_ptr + row * C + c, i_b)
+                if DRAW:
+                    tl.store(bestv_ptr + row * C + c, best)
+                    tl.store(besti_ptr + row * C + c, i_b)
                 tl.store(lowc_ptr + row * C + c, lowest)
 
 
 @triton.jit
 def _pick_kernel(temp_ptr, pmax_ptr, pidx_ptr, bestv_ptr, besti_ptr, lowc_ptr, out_ptr, lowest_ptr, C,
-                 HAS_LOWEST: tl.constexpr, CP: tl.constexpr):
+                 DRAW: tl.constexpr, HAS_LOWEST: tl.constexpr, CP: tl.constexpr):
     """Each row's token: the first maximum (greedy, or nothing finite), else the best Gumbel
-    score over the chunks (the first index among equal ones)."""
+    score over the chunks (the first index among equal ones). DRAW 0: no token (out
+    untouched), the smallest kept logit alone."""
     row = tl.program_id(0)
     t = tl.load(temp_ptr + row)
     m, i_m = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
     low = m
     if (t > 0) & (m > float("-inf")):
         o_c = tl.arange(0, CP)
-        b_v = tl.load(bestv_ptr + row * C + o_c, mask=o_c < C, other=float("-inf"))
-        b_i = tl.load(besti_ptr + row * C + o_c, mask=o_c < C, other=2 ** 31 - 1)
-        best = tl.max(b_v, axis=0)
-        i_m = tl.min(tl.where((b_v == best) & (o_c < C), b_i, 2 ** 31 - 1), axis=0)
+        if DRAW:
+            b_v = tl.load(bestv_ptr + row * C + o_c, mask=o_c < C, other=float("-inf"))
+            b_i = tl.load(besti_ptr + row * C + o_c, mask=o_c < C, other=2 ** 31 - 1)
+            best = tl.max(b_v, axis=0)
+            i_m = tl.min(tl.where((b_v == best) & (o_c < C), b_i, 2 ** 31 - 1), axis=0)
         low = tl.min(tl.load(lowc_ptr + row * C + o_c, mask=o_c < C, other=float("inf")), axis=0)
-    tl.store(out_ptr + row, i_m.to(tl.int64))
+    if DRAW:
+        tl.store(out_ptr + row, i_m.to(tl.int64))
     if HAS_LOWEST:
         tl.store(lowest_ptr + row, low)
 
@@ -359,18 +366,52 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     them on the host before they are staged): a temperature below 0 acts as 0, top_p >= 1
     and top_k outside (0, V) as off. NaN logits count as -inf; a row of only -inf gives 0.
     """
-    s, v = _check_logits(logits)
-    for name, t, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
-                           ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
-                           ("seed", seed, torch.int64), ("counter", counter, (torch.int64, torch.int32))):
-        check_tensor(name, t, dim=1, dtypes=dtype if isinstance(dtype, tuple) else (dtype,), device=logits.device)
-        if t.shape[0] != s:
-            raise ValueError(f"{name} must have one entry per row of logits ({s}), got {t.shape[0]}")
+    s, _ = _check_logits(logits)
+    _check_settings(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                    counter=counter)
     out = _ids_out(out, s, logits.device)
     if lowest is not None:
-        check_tensor("lowest", lowest, dim=1, dtypes=(torch.float32,), device=logits.device)
-        if lowest.shape[0] != s:
-            raise ValueError(f"lowest must have {s} entries, got {lowest.shape[0]}")
+        _check_lowest(lowest, logits)
+    return _passes(logits, temperature, top_k, top_p, min_p, seed, counter, out, lowest, group)
+
+
+def kept_lowest(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, *, out: torch.Tensor | None = None, group: int | None = None) -> torch.Tensor:
+    """[S] float32: the smallest logit ``sample`` keeps in each row with these settings (its
+    ``lowest``), without drawing a token: the same passes less the uniforms, for a caller that
+    needs the kept distribution only (``kept_probs``; a speculative verify's rejection
+    sampling). ``out`` [S] float32 (given: written in place); the rest as ``sample``."""
+    s, _ = _check_logits(logits)
+    _check_settings(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    if out is None:
+        out = torch.empty(s, dtype=torch.float32, device=logits.device)
+    else:
+        _check_lowest(out, logits, name="out")
+    _passes(logits, temperature, top_k, top_p, min_p, None, None, None, out, group)
+    return out
+
+
+def _check_settings(logits: torch.Tensor, **tensors: torch.Tensor) -> None:
+    s = logits.shape[0]
+    dtypes = dict(temperature=(torch.float32,), top_k=(torch.int32,), top_p=(torch.float32,),
+                  min_p=(torch.float32,), seed=(torch.int64,), counter=(torch.int64, torch.int32))
+    for name, t in tensors.items():
+        check_tensor(name, t, dim=1, dtypes=dtypes[name], device=logits.device)
+        if t.shape[0] != s:
+            raise ValueError(f"{name} must have one entry per row of logits ({s}), got {t.shape[0]}")
+
+
+def _check_lowest(lowest: torch.Tensor, logits: torch.Tensor, *, name: str = "lowest") -> None:
+    check_tensor(name, lowest, dim=1, dtypes=(torch.float32,), device=logits.device)
+    if lowest.shape[0] != logits.shape[0]:
+        raise ValueError(f"{name} must have {logits.shape[0]} entries, got {lowest.shape[0]}")
+
+
+def _passes(logits, temperature, top_k, top_p, min_p, seed, counter, out, lowest, group) -> torch.Tensor | None:
+    """``sample``'s launches on checked arguments; without ``out`` (and seed, counter) no
+    draw: ``lowest`` alone is written."""
+    s, v = logits.shape
+    draw = out is not None
     block, chunk, c = chunking(v)
     group = _group(group, s, c)
     if s == 0:
@@ -403,10 +444,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     for level in range(8 if top_p_on else 0):
         _radix_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, hp, pkey, pneed, kthr, zpart, level,
                             WEIGHTED=True, CP=cp, BLOCK=block, num_warps=4)
-    _draw_kernel[grid](*rows, s, temperature, top_k, top_p, min_p, seed, counter, pmax, pidx, kthr, hp, pkey, pneed,
-                       bestv, besti, lowc, CP=cp, BLOCK=block, num_warps=4)
-    _pick_kernel[(s,)](temperature, pmax, pidx, bestv, besti, lowc, out, lowest if lowest is not None else pmax, c,
-                       HAS_LOWEST=lowest is not None, CP=cp, num_warps=4)
+    _draw_kernel[grid](*rows, s, temperature, top_k, top_p, min_p, seed if draw else temperature,
+                       counter if draw else temperature, pmax, pidx, kthr, hp, pkey, pneed, bestv, besti, lowc,
+                       DRAW=draw, CP=cp, BLOCK=block, num_warps=4)
+    _pick_kernel[(s,)](temperature, pmax, pidx, bestv, besti, lowc, out if draw else pidx,
+                       lowest if lowest is not None else pmax, c, DRAW=draw, HAS_LOWEST=lowest is not None, CP=cp,
+                       num_warps=4)
     return out
 
 

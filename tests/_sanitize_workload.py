@@ -122,8 +122,9 @@ def kernels(small: bool = False) -> int:
 
 def sampling_and_placement(small: bool = False) -> int:
     """sample (every pass: greedy, temperature, top-k, top-p, min-p; odd vocabularies, a
-    row stride past the vocabulary) and place_tokens on valid and arbitrary metadata."""
-    from graphrt.kernels.sampling import sample
+    row stride past the vocabulary), kept_lowest (the same passes without the draw) and
+    place_tokens on valid and arbitrary metadata."""
+    from graphrt.kernels.sampling import kept_lowest, sample
     from graphrt.kernels.speculative import place_tokens
 
     dev = torch.device("cuda")
@@ -135,7 +136,9 @@ def sampling_and_placement(small: bool = False) -> int:
         sample(logits, f32(0, 1, 0.7, 1.3, 2), torch.tensor([0, 0, 5, 0, vocab], dtype=torch.int32, device=dev),
                f32(1, 1, 1, 0.5, 0.9), f32(0, 0, 0, 0.1, 0), torch.arange(5, device=dev), torch.arange(5, device=dev),
                lowest=torch.empty(5, device=dev))
-        launches += 1
+        kept_lowest(logits, f32(0, 1, 0.7, 1.3, 2), torch.tensor([0, 0, 5, 0, vocab], dtype=torch.int32, device=dev),
+                    f32(1, 1, 1, 0.5, 0.9), f32(0, 0, 0, 0.1, 0))
+        launches += 2
     wild = [-2 ** 31, -5, -1, 0, 3, 40, 2 ** 31 - 1]
     for _ in range(4 if small else 16):
         s, t = int(rng.integers(1, 5)), int(rng.integers(1, 20))

@@ -13,7 +13,7 @@ import torch
 
 from _cases import fresh_seed, rngs
 from graphrt.kernels import reference
-from graphrt.kernels.sampling import greedy, kept_probs, philox_uniform, sample, uniforms
+from graphrt.kernels.sampling import greedy, kept_lowest, kept_probs, philox_uniform, sample, uniforms
 from graphrt.sampling import GREEDY, SamplingParams
 
 HAS_CUDA = torch.cuda.is_available()
@@ -176,6 +176,41 @@ def test_chunks_walked_together_or_apart_draw_the_same(device):
     for i, (t, k, p, mp, _, _) in enumerate(rows):
         if t > 0 and (k or p < 1 or mp > 0):    # a filter is on: the low chunks keep nothing
             assert not keep_all[i, chunk: 3 * chunk].any(), f"row {i} {rows[i]}: the low chunks hold a kept token"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 17, 2500], ids=lambda v: f"V{v}")
+def test_kept_lowest_is_what_sample_keeps(dtype, vocab, device):
+    """``kept_lowest`` (the filters' passes without the draw, a verify's kept sets) writes
+    the very ``lowest`` that ``sample`` gives beside its draw, at every grouping of chunks,
+    into a given ``out`` or a new tensor; bad ``out`` refused before a launch."""
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    s = 10
+    logits = (torch.randn(s, vocab, generator=gen) * 3).to(device=device, dtype=dtype)
+    logits[4, : vocab // 2] = -math.inf
+    logits[5] = -math.inf                                    # nothing finite
+    rows = [(float(rng.choice([0.0, 0.4, 1.0])), int(rng.choice([0, 1, 6, vocab + 1])),
+             float(rng.choice([1.0, 0.8, 0.2])), float(rng.choice([0.0, 0.1])), int(rng.integers(0, 2 ** 62)),
+             int(rng.integers(0, 2 ** 40))) for _ in range(s)]
+    rows[0] = (0.0, 0, 1.0, 0.0, 3, 3)                       # greedy: lowest is the maximum
+    args = settings(rows, device)
+    want = torch.empty(s, dtype=torch.float32, device=device)
+    sample(logits, **args, lowest=want)
+    filters = {k: args[k] for k in ("temperature", "top_k", "top_p", "min_p")}
+    for group in (1, 3):
+        out = torch.full((s,), 123.0, device=device)
+        assert kept_lowest(logits, **filters, out=out, group=group) is out
+        assert torch.equal(out.cpu(), want.cpu()), f"group {group} (seed {seed})"
+    assert torch.equal(kept_lowest(logits, **filters).cpu(), want.cpu()), f"seed {seed}"
+    out = torch.full((s,), 123.0, device=device)
+    for bad, error, match in ((out[:-1], ValueError, "out must have 10 entries"),
+                              (out.double(), TypeError, "out must have dtype")):
+        with pytest.raises(error, match=match):
+            kept_lowest(logits, **filters, out=bad)
+    with pytest.raises(ValueError, match="top_p must have one entry per row"):
+        kept_lowest(logits, **{**filters, "top_p": filters["top_p"][:2]}, out=out)
+    assert bool((out == 123.0).all()), "a refused call wrote out"
 
 
 @pytest.mark.parametrize("case", [
