@@ -56,16 +56,20 @@ def _variants():
                             "hk_ptr": ptr("i32"), "kkey_ptr": ptr("i64"), "kneed_ptr": ptr("i32"),
                             "kthr_ptr": ptr("i64"), "zpart_ptr": ptr("fp32"), "CP": "constexpr",
                             "BLOCK": "constexpr"}, {"CP": 128, "BLOCK": 1024}
-    yield ks._draw_kernel, {**rows, "S": "i32", **state, "min_p_ptr": ptr("fp32"), "seed_ptr": ptr("i64"),
-                            "counter_ptr": ptr("i64"), "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"),
-                            "kthr_ptr": ptr("i64"), "hp_ptr": ptr("fp32"), "pkey_ptr": ptr("i64"),
-                            "pneed_ptr": ptr("fp32"), "bestv_ptr": ptr("fp32"), "besti_ptr": ptr("i32"),
-                            "lowc_ptr": ptr("fp32"), "CP": "constexpr", "BLOCK": "constexpr"}, {"CP": 128, "BLOCK": 1024}
-    for has_lowest in (False, True):
+    for draw in (True, False):      # (False: kept_lowest, its seed and counter the temperatures' pointer)
+        key = ptr("i64") if draw else ptr("fp32")
+        yield ks._draw_kernel, {**rows, "S": "i32", **state, "min_p_ptr": ptr("fp32"), "seed_ptr": key,
+                                "counter_ptr": key, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"),
+                                "kthr_ptr": ptr("i64"), "hp_ptr": ptr("fp32"), "pkey_ptr": ptr("i64"),
+                                "pneed_ptr": ptr("fp32"), "bestv_ptr": ptr("fp32"), "besti_ptr": ptr("i32"),
+                                "lowc_ptr": ptr("fp32"), "DRAW": "constexpr", "CP": "constexpr", "BLOCK": "constexpr"}, \
+            {"DRAW": draw, "CP": 128, "BLOCK": 1024}
+    for draw, has_lowest in ((True, False), (True, True), (False, True)):
         yield ks._pick_kernel, {"temp_ptr": ptr("fp32"), "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"),
                                 "bestv_ptr": ptr("fp32"), "besti_ptr": ptr("i32"), "lowc_ptr": ptr("fp32"),
-                                "out_ptr": ptr("i64"), "lowest_ptr": ptr("fp32"), "C": "i32",
-                                "HAS_LOWEST": "constexpr", "CP": "constexpr"}, {"HAS_LOWEST": has_lowest, "CP": 128}
+                                "out_ptr": ptr("i64") if draw else ptr("i32"), "lowest_ptr": ptr("fp32"), "C": "i32",
+                                "DRAW": "constexpr", "HAS_LOWEST": "constexpr", "CP": "constexpr"}, \
+            {"DRAW": draw, "HAS_LOWEST": has_lowest, "CP": 128}
     yield ks._first_max_kernel, {"pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"), "out_ptr": ptr("i64"), "C": "i32",
                                  "CP": "constexpr"}, {"CP": 128}
     yield ks._uniform_kernel, {"seed_ptr": ptr("i64"), "counter_ptr": ptr("i64"), "out_ptr": ptr("fp32"), "N": "i32",
