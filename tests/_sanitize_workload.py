@@ -4,6 +4,9 @@ arbitrary values, and a captured runtime replaying steps.
 
     python tests/_sanitize_workload.py kernels   # launchers only (run with PYTORCH_NO_CUDA_MEMORY_CACHING=1)
     python tests/_sanitize_workload.py kernels-small   # the bf16 variants only (for racecheck)
+    python tests/_sanitize_workload.py kernels --part I/N   # the I-th of N shares of the launches: N
+        # processes side by side compile every variant into Triton's disk cache in a fraction of
+        # the time, before the sanitized run (h200_checks.sh sanitizer-each)
     python tests/_sanitize_workload.py runtime   # capture + replay (graphs need the caching allocator)
 
 Exits 0 after printing what it ran; the sanitizer's own summary says whether any access
@@ -24,9 +27,14 @@ from graphrt.kernels import AttentionMetadata, paged_attention, split_workspace,
 from graphrt.toy import ToyModel  # noqa: E402
 
 
-def kernels(small: bool = False) -> int:
+def kernels(small: bool = False, part: tuple[int, int] = (0, 1)) -> int:
     """Each variant once (small: the bf16 ones a model runs), then 24 launches on metadata
-    holding arbitrary values."""
+    holding arbitrary values. ``part`` (I, N): only the jobs (a dtype's options, the fp8
+    cache, the arbitrary metadata, the linear and the sampling launches) numbered I mod N."""
+    jobs = iter(range(1 << 30))
+
+    def mine() -> bool:         # the next job is this part's
+        return next(jobs) % part[1] == part[0]
     rng = np.random.default_rng(0)
     dev = torch.device("cuda")
     launches = 0
@@ -50,6 +58,8 @@ def kernels(small: bool = False) -> int:
         write_kv(k, k, kc, vc, meta)
         launches += 1
         for opts in options:
+            if not mine():
+                continue
             for splits, mql in ((1, None), (3, None), (4, 1)):
                 if mql == 1:          # a decode-only launch: one token per sequence
                     dmeta, _ = build_meta([Seq(1, 100), Seq(1, 5), Seq(1, 300)], block_size=16, num_blocks=40,
@@ -69,7 +79,21 @@ def kernels(small: bool = False) -> int:
                     paged_attention(q, kc, vc, out, meta, num_splits=splits, new_kv=(k, k), **opts)
                     launches += 1
                 launches += 1
-    # an fp8 cache: quantizing write, dequantizing attention (bf16 queries)
+    if mine():
+        launches += fp8_cache(rng, seqs, total)
+    if mine():
+        launches += arbitrary_metadata(rng)
+    if mine():
+        launches += linear(small)
+    if mine():
+        launches += sampling_and_placement(small)
+    torch.cuda.synchronize()
+    return launches
+
+
+def fp8_cache(rng, seqs, total: int) -> int:
+    """An fp8 cache: quantizing write, dequantizing attention (bf16 queries)."""
+    dev = torch.device("cuda")
     meta, _ = build_meta(seqs, block_size=16, num_blocks=40, max_ranges=2, rng=rng, device=dev, num_seqs=7,
                          num_tokens=total + 5)
     kc = torch.zeros(40, 16, 2, 128, device=dev, dtype=torch.float8_e4m3fn)
@@ -86,8 +110,13 @@ def kernels(small: bool = False) -> int:
                           device=dev, num_seqs=4, num_tokens=4)
     paged_attention(q[:4], kc, vc, torch.empty_like(q[:4]), dmeta, num_splits=4, max_query_len=1, k_scale=scale,
                     v_scale=scale, new_kv=(k[:4], k[:4]))
-    launches += 6
-    # metadata holding arbitrary values: the kernels must stay inside their tensors
+    return 6
+
+
+def arbitrary_metadata(rng) -> int:
+    """Metadata holding arbitrary values: the kernels must stay inside their tensors."""
+    dev = torch.device("cuda")
+    launches = 0
     for trial in range(24):
         s, t, w, r = (int(rng.integers(1, 5)), int(rng.integers(1, 40)), int(rng.integers(1, 6)),
                       int(rng.integers(0, 3)))
@@ -114,9 +143,6 @@ def kernels(small: bool = False) -> int:
                             max_query_len=1 if trial % 2 else None, new_kv=(k, k),
                             rope=(torch.randn(t, 32, device=dev, dtype=torch.bfloat16),) * 2 if trial % 4 else None)
             launches += 1
-    launches += linear(small)
-    launches += sampling_and_placement(small)
-    torch.cuda.synchronize()
     return launches
 
 
@@ -230,6 +256,7 @@ def runtime() -> int:
 
 if __name__ == "__main__":
     what = sys.argv[1]
+    share = tuple(int(x) for x in sys.argv[3].split("/")) if sys.argv[2:3] == ["--part"] else (0, 1)
     ran = (runtime() if what == "runtime" else read_new() if what == "read-new"
-           else kernels(small=what == "kernels-small"))
+           else kernels(small=what == "kernels-small", part=share))
     print(f"graphrt sanitize workload {what}: {ran} {'replayed steps' if what == 'runtime' else 'launches'}")
