@@ -34,10 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--speculative", action="store_true",
                       help="greedy speculative decoding of a tiny Llama with a draft model, acceptance on the "
-                           "device (needs the transformers extra)")
+                           "device (needs the transformers extra); with --sample, sampled (rejection sampling)")
     demo.add_argument("--sample", action="store_true",
                       help="draw tokens inside the step (temperature 0.8, top-k 50, top-p 0.95, a seed per "
-                           "request) instead of the loop's argmax")
+                           "request; with --speculative top-k 20) instead of the loop's argmax: the toy "
+                           "model or --speculative")
     demo.add_argument("--model", default="toy",
                       help="toy (graphrt's own), or a tiny random transformers model through the adapter, "
                            "one of graphrt.integrations.tiny.KINDS: llama, qwen3, granite, gpt-neox, gemma3 "
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="no torch profiler: mark the steps with cudaProfilerStart/Stop and NVTX for Nsight Systems")
     sub.add_parser("info", help="versions, GPU, whether the C helper graphrt._fast was built, where 'kernels' resolves")
     args = parser.parse_args(argv)
+    if args.command == "demo" and args.sample and args.model != "toy" and not args.speculative:
+        parser.error(f"--sample runs with the toy model or with --speculative, not with --model {args.model}")
 
     if args.command == "info":
         from graphrt.info import run
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.speculative:
         from graphrt.demo_speculative import run_speculative_demo
 
-        return run_speculative_demo(device=device, seed=args.seed)
+        return run_speculative_demo(device=device, seed=args.seed, sample=args.sample)
     if args.model != "toy":
         from graphrt.demo_transformers import run_transformers_demo
 

@@ -3,6 +3,14 @@
 (so it agrees some of the time), each through the transformers adapter on its own
 runtimes, every acceptance decided on the device (``graphrt.speculative``). The tokens
 are checked against the target's plain greedy decoding. Needs the transformers extra.
+
+``--sample`` (``sample=True``): sampled speculative decoding instead (each request's
+``SamplingParams``: temperature 0.8, top-k 20, top-p 0.95, its own seed; rejection
+sampling against the draft's kept distributions). Its checks: every emitted token lies in
+the target's kept set at its place (the target's logits of the emitted sequence, one
+step, against the float64 reference filters; on a GPU in bf16 a token at the set's edge
+within 2e-2 of the largest logit counts), and a second run with the same seeds emits the
+same tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +21,11 @@ import numpy as np
 import torch
 
 
-def run_speculative_demo(*, device: str, drafts: int = 3, iterations: int = 6, seed: int = 0) -> int:
+SETTINGS = dict(temperature=0.8, top_k=20, top_p=0.95)     # --sample's, with a seed per request
+
+
+def run_speculative_demo(*, device: str, drafts: int = 3, iterations: int = 6, seed: int = 0,
+                         sample: bool = False) -> int:
     from graphrt import Runtime, SeqStep, Step
     from graphrt.integrations.tiny import nudge, tiny_model
     from graphrt.integrations.transformers import TransformersModel
@@ -25,11 +37,11 @@ def run_speculative_demo(*, device: str, drafts: int = 3, iterations: int = 6, s
     draft = TransformersModel(nudge(tiny_model("llama", seed), 0.1, seed + 1).to(device=device, dtype=dtype))
     requests, per_request = 3, 16                      # blocks of 16: room for 256 tokens each
     cfg = target.runtime_config(block_size=16, num_blocks=requests * per_request + 8, max_num_seqs=4,
-                                max_num_tokens=64, max_model_len=256, speculative=True)
+                                max_num_tokens=64, max_model_len=256, speculative=True, sampling=sample)
     n, kw = target.num_layers, dict(device=device, strict=on_gpu)
-    state = SpecState(requests, drafts, device)
+    state = SpecState(requests, drafts, device, vocab=target.hf.config.vocab_size if sample else None)
     runtimes = speculative_runtimes(cfg, state, target, draft, **kw)
-    plain = Runtime(cfg, target, num_layers=n, **kw)
+    plain = Runtime(cfg, target.all_logits if sample else target, num_layers=n, **kw)
     if on_gpu:
         for rt in (*runtimes, plain):   # the verify runtime (second) with a verify bucket of 4 sequences
             rt.capture(decode_buckets=[4], mixed_buckets=[16, 64], quiet=True,
@@ -37,20 +49,31 @@ def run_speculative_demo(*, device: str, drafts: int = 3, iterations: int = 6, s
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 64, int(m)) for m in rng.integers(6, 14, requests)]
     blocks = [list(range(per_request * r, per_request * (r + 1))) for r in range(requests)]
-    print(f"graphrt demo --speculative: {'cuda (' + torch.cuda.get_device_name() + '), graph replay' if on_gpu else 'cpu, eager through the Triton interpreter'}; "
-          f"tiny Llama target ({n} layers) and a draft near it, {drafts} drafts a step, {requests} requests")
+    print(f"graphrt demo --speculative{' --sample' if sample else ''}: {'cuda (' + torch.cuda.get_device_name() + '), graph replay' if on_gpu else 'cpu, eager through the Triton interpreter'}; "
+          f"tiny Llama target ({n} layers) and a draft near it, {drafts} drafts a step, {requests} requests"
+          + (f"; sampled ({', '.join(f'{k} {v}' for k, v in SETTINGS.items())}, a seed per request)" if sample else ""))
 
     loop = SpeculativeLoop(state, *runtimes)
+    settings = None
+    if sample:
+        from graphrt.sampling import SamplingParams
+
+        settings = [SamplingParams(**SETTINGS, seed=1000 * seed + r) for r in range(requests)]
+
+    def generate() -> tuple[list[list[int]], list[int]]:
+        loop.prefill(prompts, blocks, sampling=settings)
+        outputs = [loop.iterate() for _ in range(iterations)]
+        got, accepted = [[] for _ in prompts], []
+        for emitted, counts in outputs:                    # read once, after the loop
+            for r, (row, c) in enumerate(zip(emitted.tolist(), counts.tolist())):
+                got[r] += row[:c]
+                accepted.append(c - 1)
+        return got, accepted
     t0 = time.perf_counter()
-    loop.prefill(prompts, blocks)
-    outputs = [loop.iterate() for _ in range(iterations)]
-    got = [[] for _ in prompts]
-    accepted = []
-    for emitted, counts in outputs:                    # read once, after the loop
-        for r, (row, c) in enumerate(zip(emitted.tolist(), counts.tolist())):
-            got[r] += row[:c]
-            accepted.append(c - 1)
+    got, accepted = generate()
     spec_s = time.perf_counter() - t0
+    if sample:
+        return _check_sampled(plain, prompts, blocks, got, accepted, generate, drafts, iterations, on_gpu)
 
     # the target's plain greedy decoding, one token a step
     t0 = time.perf_counter()
@@ -73,3 +96,33 @@ def run_speculative_demo(*, device: str, drafts: int = 3, iterations: int = 6, s
         print(f"  request {r}: prompt {len(prompts[r])} tokens, generated {g}")
     print(f"  tokens equal the target's greedy decoding: {'yes' if same else 'NO'}")
     return 0 if same else 1
+
+
+def _check_sampled(plain, prompts, blocks, got, accepted, generate, drafts: int, iterations: int,
+                   on_gpu: bool) -> int:
+    """--sample's checks (module doc): the emitted tokens inside the target's kept sets, and
+    the same tokens from a second run with the same seeds."""
+    from graphrt import SeqStep, Step
+    from graphrt.kernels.reference import sampling_keep
+
+    inside = edge = total = 0
+    for p, b, g in zip(prompts, blocks, got):      # the target's logits after each token of prompt + emitted
+        seq = np.concatenate([np.asarray(p), np.asarray(g[:-1], dtype=np.int64)])
+        logits = plain.step(Step([SeqStep(q_len=len(seq), context_len=0, block_ids=b)]), seq).float().cpu()
+        for i, token in enumerate(g):
+            row = logits[len(p) - 1 + i]
+            keep, _ = sampling_keep(row, SETTINGS["temperature"], SETTINGS["top_k"], SETTINGS["top_p"], 0.0)
+            total += 1
+            if keep[token]:
+                inside += 1
+            elif on_gpu and row[keep].min() - row[token] <= 2e-2 * row.abs().max():
+                edge += 1                           # bf16: a token at the set's edge
+    again, _ = generate()
+    print(f"  {iterations} iterations: {total} tokens, drafts accepted per step: mean {np.mean(accepted):.2f} of "
+          f"{drafts} (each: {accepted})")
+    for r, g in enumerate(got):
+        print(f"  request {r}: prompt {len(prompts[r])} tokens, generated {g}")
+    print(f"  tokens inside the target's kept set at their place: {inside} of {total}"
+          + (f" (and {edge} at its edge, within bf16's rounding)" if on_gpu else ""))
+    print(f"  a second run with the same seeds emits the same tokens: {'yes' if again == got else 'NO'}")
+    return 0 if inside + edge == total and again == got else 1

@@ -80,3 +80,25 @@ def test_demo_speculative(tmp_path):
                          timeout=900, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "tokens equal the target's greedy decoding: yes" in run.stdout, run.stdout[-3000:]
+
+
+def test_demo_speculative_sampled(tmp_path):
+    """``graphrt demo --speculative --sample``: every emitted token inside the target's kept
+    set at its place (fp32 on the CPU: all of them, none at an edge), the same tokens again
+    from the same seeds."""
+    pytest.importorskip("transformers")
+    run = subprocess.run([sys.executable, "-m", "graphrt", "demo", "--speculative", "--sample"], capture_output=True,
+                         text=True, timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    kept = re.search(r"tokens inside the target's kept set at their place: (\d+) of (\d+)", run.stdout)
+    assert kept and int(kept[2]) > 0, run.stdout[-3000:]
+    if "cpu," in run.stdout:
+        assert kept[1] == kept[2], run.stdout[-3000:]
+    assert "a second run with the same seeds emits the same tokens: yes" in run.stdout, run.stdout[-3000:]
+
+
+def test_demo_sample_refused_with_a_transformers_model(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "graphrt", "demo", "--sample", "--model", "llama"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 2 and "--sample runs with the toy model or with --speculative" in run.stderr, \
+        run.stderr[-2000:]
