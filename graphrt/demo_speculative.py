@@ -87,13 +87,9 @@ def run_speculative_demo(*, device: str, drafts: int = 3, iterations: int = 6, s
             w.append(t)
     plain_s = time.perf_counter() - t0
     same = all(g == w[: len(g)] for g, w in zip(got, want))
-    tokens = sum(len(g) for g in got)
-    print(f"  {iterations} iterations: {tokens} tokens, drafts accepted per step: mean {np.mean(accepted):.2f} of "
-          f"{drafts} (each: {accepted})")
+    _report(prompts, got, accepted, drafts, iterations)
     print(f"  host-side time: speculative {spec_s:.2f} s, plain greedy {plain_s:.2f} s for the same tokens "
           f"({'GPU, unprofiled' if on_gpu else 'interpreter: not a speed figure'})")
-    for r, g in enumerate(got):
-        print(f"  request {r}: prompt {len(prompts[r])} tokens, generated {g}")
     print(f"  tokens equal the target's greedy decoding: {'yes' if same else 'NO'}")
     return 0 if same else 1
 
@@ -118,11 +114,16 @@ def _check_sampled(plain, prompts, blocks, got, accepted, generate, drafts: int,
             elif on_gpu and row[keep].min() - row[token] <= 2e-2 * row.abs().max():
                 edge += 1                           # bf16: a token at the set's edge
     again, _ = generate()
-    print(f"  {iterations} iterations: {total} tokens, drafts accepted per step: mean {np.mean(accepted):.2f} of "
-          f"{drafts} (each: {accepted})")
-    for r, g in enumerate(got):
-        print(f"  request {r}: prompt {len(prompts[r])} tokens, generated {g}")
+    _report(prompts, got, accepted, drafts, iterations)
     print(f"  tokens inside the target's kept set at their place: {inside} of {total}"
           + (f" (and {edge} at its edge, within bf16's rounding)" if on_gpu else ""))
     print(f"  a second run with the same seeds emits the same tokens: {'yes' if again == got else 'NO'}")
     return 0 if inside + edge == total and again == got else 1
+
+
+def _report(prompts, got, accepted, drafts: int, iterations: int) -> None:
+    """The loop's tokens and acceptance, as both forms of the demo print them."""
+    print(f"  {iterations} iterations: {sum(len(g) for g in got)} tokens, drafts accepted per step: mean "
+          f"{np.mean(accepted):.2f} of {drafts} (each: {accepted})")
+    for r, g in enumerate(got):
+        print(f"  request {r}: prompt {len(prompts[r])} tokens, generated {g}")
