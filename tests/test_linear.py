@@ -169,8 +169,11 @@ def _layer(x, wq, wk, wv, wo, wg, wu, wd, bq, bk, bv, lm):
 def test_linear_pass_groups_shared_inputs(rows, device):
     """group_small_linears on the aten graph of a layer: q/k/v (with biases) in one launch,
     gate/up in one, the rest by the rules (one row: every matmul; more: groups and wide
-    outputs only; past 32 rows: none), and the rewritten graph computes what the graph did
-    (the same fp16 rounding between the matmuls; each matmul's sum in its own order)."""
+    outputs only; past 32 rows: none), and the rewritten graph computes what the graph did:
+    against float64, within the fp16 graph's own error (the same fp16 rounding between the
+    matmuls, but each sum in its own order: an intermediate that rounds the other way is
+    carried through the layer and the head, so the two fp16 results are not compared with a
+    fixed tolerance)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from graphrt.capture.linear_pass import group_small_linears
@@ -203,7 +206,9 @@ def test_linear_pass_groups_shared_inputs(rows, device):
     else:
         assert (replaced, calls, len(mms)) == (0, [], 8)
     assert len(muls) == (1 if rows == 1 else 3), muls
-    assert_close("logits", gm(*args), want, 1e-2, 1e-2, seed)
+    exact = _layer(*[a.double() for a in args])
+    own, grouped = ((t.double() - exact).abs().max().item() for t in (want, gm(*args)))
+    assert grouped <= 1.5 * own + 1e-3 * exact.abs().max().item(), (grouped, own, seed)
 
 
 @pytest.mark.parametrize("form", ["silu", "inductor", "sigmoid", "not-silu", "gelu-tanh", "gelu-inductor",
