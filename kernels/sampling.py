@@ -8,7 +8,8 @@ twenty launches walk the chunks, never sorting; a program takes one chunk at sma
 (so that one row at batch 1 fills the GPU) and several at large ones (about PROGRAMS
 programs a launch). Each launch's programs reduce what the last one left per chunk (in a
 fixed order: the same result every run and in any batch). A chunk whose maximum is below
-every candidate of a pass is not read in it. The passes:
+every candidate of a pass is not read in it, nor, in a radix select, a chunk that held
+nothing in the digit the level before kept. The passes:
 1. the maximum m and the first index holding it (greedy's answer);
 2. top-k's threshold, the k-th largest logit, found exactly by a radix select over the
    logits' 32-bit order-preserving keys: eight launches of four bits, each counting the
@@ -155,12 +156,18 @@ def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr
             low = tl.maximum((key >> (shift + 4)) << (shift + 4), floor_key)
             o_b = tl.arange(0, 16)
             p_row = logits_ptr + row.to(tl.int64) * stride_row
+            # the digit the last level kept: a chunk with nothing in it there (no count, or no
+            # mass: every candidate's weight 0) has nothing at this level either
+            p_prev = h_ptr + (((level - 1) * S + row) * C) * 16 + ((key >> (shift + 4)) & 15)
             for c in range(g * G, tl.minimum(g * G + G, C)):
                 if WEIGHTED:
                     b_h = tl.zeros([16], dtype=tl.float32)
                 else:
                     b_h = tl.zeros([16], dtype=tl.int32)
-                if _keys(tl.load(pmax_ptr + row * C + c)) >= low:      # else no candidate in the chunk
+                live = _keys(tl.load(pmax_ptr + row * C + c)) >= low
+                if level > 0:
+                    live = live & (tl.load(p_prev + c * 16) != 0)
+                if live:      # else no candidate in the chunk
                     end = tl.minimum(c * CHUNK + CHUNK, V)
                     for start in range(c * CHUNK, end, BLOCK):
                         o_v = start + tl.arange(0, BLOCK)
@@ -407,12 +414,16 @@ def _check_lowest(lowest: torch.Tensor, logits: torch.Tensor, *, name: str = "lo
         raise ValueError(f"{name} must have {logits.shape[0]} entries, got {lowest.shape[0]}")
 
 
-def _passes(logits, temperature, top_k, top_p, min_p, seed, counter, out, lowest, group) -> torch.Tensor | None:
+def _passes(logits, temperature, top_k, top_p, min_p, seed, counter, out, lowest, group, *,
+            radix: tuple[int, int] | None = None) -> torch.Tensor | None:
     """``sample``'s launches on checked arguments; without ``out`` (and seed, counter) no
-    draw: ``lowest`` alone is written."""
+    draw: ``lowest`` alone is written. ``radix``: (logits a tile, warps) of the radix
+    levels (default: the other passes' tile, 4 warps; a tile smaller than theirs divides
+    the chunk; benchmarks/probes/probe_sampling.py times them)."""
     s, v = logits.shape
     draw = out is not None
     block, chunk, c = chunking(v)
+    radix_block, radix_warps = (block, 4) if radix is None else (min(radix[0], block), radix[1])
     group = _group(group, s, c)
     if s == 0:
         return out
@@ -438,12 +449,12 @@ def _passes(logits, temperature, top_k, top_p, min_p, seed, counter, out, lowest
     _max_kernel[grid](*rows, pmax, pidx, BLOCK=block, num_warps=4)
     for level in range(8 if top_k_on else 0):
         _radix_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, hk, kkey, kneed, kthr, zpart, level,
-                            WEIGHTED=False, CP=cp, BLOCK=block, num_warps=4)
+                            WEIGHTED=False, CP=cp, BLOCK=radix_block, num_warps=radix_warps)
     _mass_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, hk, kkey, kneed, kthr, zpart, CP=cp,
                        BLOCK=block, num_warps=4)
     for level in range(8 if top_p_on else 0):
         _radix_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, hp, pkey, pneed, kthr, zpart, level,
-                            WEIGHTED=True, CP=cp, BLOCK=block, num_warps=4)
+                            WEIGHTED=True, CP=cp, BLOCK=radix_block, num_warps=radix_warps)
     _draw_kernel[grid](*rows, s, temperature, top_k, top_p, min_p, seed if draw else temperature,
                        counter if draw else temperature, pmax, pidx, kthr, hp, pkey, pneed, bestv, besti, lowc,
                        DRAW=draw, CP=cp, BLOCK=block, num_warps=4)

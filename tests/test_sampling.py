@@ -178,6 +178,41 @@ def test_chunks_walked_together_or_apart_draw_the_same(device):
             assert not keep_all[i, chunk: 3 * chunk].any(), f"row {i} {rows[i]}: the low chunks hold a kept token"
 
 
+def test_radix_levels_skip_empty_chunks_and_any_tile_selects_the_same(device):
+    """The radix selects (top-k's, top-p's) read at each level only the chunks that held a
+    candidate in the digit the level before kept: with each row's top set in one chunk
+    and many chunks, the kept sets and draws are the reference's, and the same to the bit
+    whatever tile the levels read in (the counts are exact; the masses sum each chunk's
+    tiles in another order, here the same values)."""
+    from graphrt.kernels.sampling import _passes, chunking
+
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    vocab, s = 6000, 6
+    _, chunk, chunks = chunking(vocab)
+    assert chunks == 6
+    # small integers: the masses per tile are exact in fp32, so that every tile sums them alike
+    logits = torch.randint(-8, 0, (s, vocab), generator=gen).float()
+    for i in range(s):                    # each row's top set in a chunk of its own
+        c = int(rng.integers(0, chunks))
+        logits[i, c * chunk: c * chunk + 40] += torch.randint(4, 9, (40,), generator=gen).float()
+    logits = logits.to(device)
+    rows = [(1.0, int(rng.choice([3, 10, 25])), float(rng.choice([1.0, 0.8, 0.5])), 0.0,
+             int(rng.integers(0, 2 ** 62)), int(rng.integers(0, 2 ** 40))) for _ in range(s)]
+    rows[0] = (1.0, 0, 0.6, 0.0, 3, 5)                      # top-p alone
+    args = settings(rows, device)
+    got = []
+    for radix in (None, (256, 4), (128, 2)):
+        ids = torch.empty(s, dtype=torch.int64, device=device)
+        lowest = torch.empty(s, dtype=torch.float32, device=device)
+        _passes(logits, *(args[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed", "counter")), ids,
+                lowest, None, radix=radix)
+        assert_draws(logits, args, ids, lowest, rows, f"radix {radix} (seed {seed})")
+        got.append((ids.cpu(), lowest.cpu()))
+    for (ids, lowest), radix in zip(got[1:], ((256, 4), (128, 2))):
+        assert torch.equal(ids, got[0][0]) and torch.equal(lowest, got[0][1]), f"radix {radix} (seed {seed})"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [1, 17, 2500], ids=lambda v: f"V{v}")
 def test_kept_lowest_is_what_sample_keeps(dtype, vocab, device):

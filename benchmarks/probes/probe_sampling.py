@@ -1,0 +1,114 @@
+"""Where the sampling stage's time goes: ``graphrt.kernels.sampling.sample`` captured in a
+CUDA graph, timed (replay median) and profiled by kernel (µs per replay of each pass's
+launches), per vocabulary, batch and setting, for a few tiles of the radix passes.
+
+    python benchmarks/probes/probe_sampling.py [--out DIR] [--batches 1,8,64,256] [--vocabs 128256]
+
+The question: ``graphrt bench sampling`` (H100, f267cd3) has the filtered setting (top-k
+50, top-p 0.9, min-p 0.05) at 0.30-0.40x of eager torch from batch 64 on (3.4 ms at
+batch 64, 128k vocabulary), and greedy at batch 256 at 1.0 ms for 66 MB of logits, where
+a read at the copy rate takes ~20 µs. Which launches hold it (the twenty passes' idle
+programs, or the radix levels' reads), and do the radix levels' tiles matter (at 1024
+logits a tile they take 168-203 registers, sm_90a, Triton 3.9's ptxas: two programs an
+SM)? Each row gives the replay's median and each kernel's µs per replay. Writes
+``probe_sampling.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from graphrt.bench.common import time_ms, write
+from graphrt.bench.sampling import SETTINGS
+
+SETTINGS = {**SETTINGS, "top_k": (0.8, 50, 1.0, 0.0), "top_p": (0.8, 0, 0.9, 0.0)}
+TILES = [None, (512, 4), (256, 4), (1024, 8)]      # (radix block, radix warps); None: the default
+
+
+def per_kernel_us(run, reps: int = 20) -> dict:
+    """µs per call of ``run`` by kernel name, from the profiler's device times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if us and "Memcpy" not in e.key and "Memset" not in e.key:
+            out[e.key] = round(us / reps, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> None:
+    from graphrt.kernels import sampling as ks
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
+    parser.add_argument("--batches", default="1,8,64,256")
+    parser.add_argument("--vocabs", default="128256")
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    batches = [int(b) for b in args.batches.split(",")] if cuda else [2]
+    vocabs = [int(v) for v in args.vocabs.split(",")] if cuda else [96]
+    tiles = TILES if cuda else TILES[:2]
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for vocab in vocabs:
+        for batch in batches:
+            logits = (torch.randn(batch, vocab, generator=gen, device=device) * 3).to(
+                torch.bfloat16 if cuda else torch.float32)
+            seed = torch.arange(batch, device=device)
+            counter = torch.full((batch,), 100, device=device, dtype=torch.int64)
+            out = torch.empty(batch, dtype=torch.int64, device=device)
+            for name in args.settings.split(","):
+                t, k, p, mp = SETTINGS[name]
+                st = dict(temperature=torch.full((batch,), t, device=device),
+                          top_k=torch.full((batch,), k, device=device, dtype=torch.int32),
+                          top_p=torch.full((batch,), p, device=device), min_p=torch.full((batch,), mp, device=device))
+                want = None
+                for tile in tiles:
+                    def run(tile=tile):
+                        ks._passes(logits, st["temperature"], st["top_k"], st["top_p"], st["min_p"], seed, counter,
+                                   out, None, None, radix=tile)
+                    try:
+                        ms = time_ms(run)
+                        ids = out.clone()
+                        kernels = per_kernel_us(_graph(run)) if cuda else {}
+                    except Exception as exc:      # a tile that does not compile or fit: recorded, not fatal
+                        print(f"V={vocab} B={batch} {name} {tile}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                        rows.append(dict(vocab=vocab, batch=batch, setting=name, radix=tile, error=str(exc)[:300]))
+                        continue
+                    want = ids if want is None else want
+                    row = dict(vocab=vocab, batch=batch, setting=name, radix=tile, ms=ms,
+                               logits_mb=logits.numel() * logits.element_size() / 1e6,
+                               same_ids_as_default=bool(torch.equal(ids, want)), kernels_us=kernels)
+                    rows.append(row)
+                    top = ", ".join(f"{k.split('_kernel')[0]}_kernel {v}" for k, v in list(kernels.items())[:4])
+                    print(f"V={vocab} B={batch} {name} radix={tile}: {ms * 1e3:.1f} us  [{top}]", flush=True)
+    path = write(args.out, "probe_sampling" if cuda else "probe_sampling_cpu", rows)
+    print(f"wrote {path}")
+
+
+def _graph(fn):
+    """``fn`` captured once; returns the replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+if __name__ == "__main__":
+    main()
