@@ -9,16 +9,19 @@ twenty launches walk the chunks, never sorting; a program takes one chunk at sma
 programs a launch). Each launch's programs reduce what the last one left per chunk (in a
 fixed order: the same result every run and in any batch). A chunk whose maximum is below
 every candidate of a pass is not read in it, nor, in a radix select, a chunk that held
-nothing in the digit the level before kept. The passes:
+nothing in the digit the level before kept; a select's leading levels, whose digit its
+candidates' bounds fix (below), read nothing. The passes:
 1. the maximum m and the first index holding it (greedy's answer);
 2. top-k's threshold, the k-th largest logit, found exactly by a radix select over the
    logits' 32-bit order-preserving keys: eight launches of four bits, each counting the
    candidates per digit in every chunk (ties at the threshold are all kept, as transformers'
-   ``TopKLogitsWarper`` keeps them);
+   ``TopKLogitsWarper`` keeps them); where k is at most the number of chunks, the k-th
+   largest chunk maximum bounds the threshold from below: the logits under it are not
+   candidates;
 3. the top-k set's softmax mass Z (at temperature T: w = exp((logit - m) / T));
-4. top-p's threshold, the same radix select weighted by w: the largest logit whose
-   top set holds at least p Z (the smallest top set reaching p, as
-   ``TopPLogitsWarper`` keeps);
+4. top-p's threshold, the same radix select weighted by w over the top-k set (top-k's
+   threshold its lower bound): the largest logit whose top set holds at least p Z (the
+   smallest top set reaching p, as ``TopPLogitsWarper`` keeps);
 5. min-p: w >= min_p (p_i >= min_p * p_max, as ``MinPLogitsWarper``), and the draw:
    Gumbel-max, the argmax of (logit - m) / T + g over the kept tokens, with
    g = -log(-log(u)) and u uniform from Philox keyed by the row's seed, its counter and
@@ -92,6 +95,24 @@ def _threshold(h_ptr, key_ptr, need_ptr, row, S, C, CP: tl.constexpr):
 
 
 @triton.jit
+def _kth_largest_key(p_pmax, C, k, CP: tl.constexpr):
+    """The k-th largest (1 <= k <= C) of a row's C chunk maxima, as a key: the largest
+    maximum that at least k maxima reach (ties counted)."""
+    o_c = tl.arange(0, CP)
+    b_k = tl.where(o_c < C, _keys(tl.load(p_pmax + o_c, mask=o_c < C, other=float("-inf"))), -1)
+    reach = tl.sum((b_k[None, :] >= b_k[:, None]).to(tl.int32), axis=1)     # [CP]: maxima >= each
+    return tl.max(tl.where((reach >= k) & (o_c < C), b_k, 0), axis=0)
+
+
+@triton.jit
+def _shared_digits(lo, hi):
+    """How many of the leading 4-bit digits two keys (in [0, 2**32)) share, at most 7: the
+    radix levels before it are fixed by them."""
+    o_j = tl.arange(0, 8).to(tl.int64)
+    return tl.minimum(tl.sum((((lo ^ hi) >> (28 - 4 * o_j)) == 0).to(tl.int32), axis=0), 7)
+
+
+@triton.jit
 def _max_kernel(logits_ptr, stride_row, V, CHUNK, C, G, pmax_ptr, pidx_ptr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     g = tl.program_id(1)
@@ -133,12 +154,22 @@ def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr
         m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
         if m > float("-inf"):
             inv_t = 1.0 / t
-            floor_key = _keys(m) * 0
+            hi_key = _keys(m)
+            # the candidates' keys lie in [floor_key, hi_key]: top-p's at or above top-k's
+            # threshold; top-k's at or above the k-th largest chunk maximum where k <= C
+            # (k chunks hold a logit that large, so the k-th largest logit is no smaller)
+            floor_key = hi_key * 0
             if WEIGHTED:
                 if (k > 0) & (k < V):
                     floor_key = tl.load(kthr_ptr + row)
-            if level == 0:
-                key = floor_key * 0
+            elif k <= C:
+                floor_key = _kth_largest_key(pmax_ptr + row * C, C, k, CP)
+            # the levels whose digit the two bounds share fix it for every candidate: up to
+            # the first that differs (at most the last), the state is the bounds' prefix and
+            # nothing is read
+            first = _shared_digits(floor_key, hi_key)
+            if level <= first:
+                key = (hi_key >> (32 - 4 * level)) << (32 - 4 * level)
                 if WEIGHTED:
                     o_c = tl.arange(0, CP)
                     need = p * tl.sum(tl.load(zpart_ptr + row * C + o_c, mask=o_c < C, other=0.0), axis=0)
@@ -151,39 +182,41 @@ def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr
             if g == 0:
                 tl.store(key_ptr + level * S + row, key)
                 tl.store(need_ptr + level * S + row, need)
-            shift = 28 - 4 * level
-            # the candidates: keys with the prefix's high bits, at or above the floor
-            low = tl.maximum((key >> (shift + 4)) << (shift + 4), floor_key)
-            o_b = tl.arange(0, 16)
-            p_row = logits_ptr + row.to(tl.int64) * stride_row
-            # the digit the last level kept: a chunk with nothing in it there (no count, or no
-            # mass: every candidate's weight 0) has nothing at this level either
-            p_prev = h_ptr + (((level - 1) * S + row) * C) * 16 + ((key >> (shift + 4)) & 15)
-            for c in range(g * G, tl.minimum(g * G + G, C)):
-                if WEIGHTED:
-                    b_h = tl.zeros([16], dtype=tl.float32)
-                else:
-                    b_h = tl.zeros([16], dtype=tl.int32)
-                live = _keys(tl.load(pmax_ptr + row * C + c)) >= low
-                if level > 0:
-                    live = live & (tl.load(p_prev + c * 16) != 0)
-                if live:      # else no candidate in the chunk
-                    end = tl.minimum(c * CHUNK + CHUNK, V)
-                    for start in range(c * CHUNK, end, BLOCK):
-                        o_v = start + tl.arange(0, BLOCK)
-                        # [BLOCK]
-                        b_l = _load_row(p_row, o_v, end)
-                        b_k = _keys(b_l)
-                        m_c = ((b_k >> (shift + 4)) == (key >> (shift + 4))) & (b_k >= floor_key) & (o_v < end)
-                        b_d = ((b_k >> shift) & 15).to(tl.int32)      # 32-bit for the 16 compares below
-                        # [BLOCK, 16]: one-hot digit of each candidate
-                        m_hit = (b_d[:, None] == o_b[None, :]) & m_c[:, None]
-                        if WEIGHTED:
-                            b_w = tl.exp((b_l - m) * inv_t)
-                            b_h += tl.sum(tl.where(m_hit, b_w[:, None], 0.0), axis=0)
-                        else:
-                            b_h += tl.sum(m_hit.to(tl.int32), axis=0)
-                tl.store(h_ptr + ((level * S + row) * C + c) * 16 + o_b, b_h)
+            if level >= first:
+                shift = 28 - 4 * level
+                # the candidates: keys with the prefix's high bits, at or above the floor
+                low = tl.maximum((key >> (shift + 4)) << (shift + 4), floor_key)
+                o_b = tl.arange(0, 16)
+                p_row = logits_ptr + row.to(tl.int64) * stride_row
+                # the digit the last level kept: a chunk with nothing in it there (no count, or
+                # no mass: every candidate's weight 0) has nothing at this level either
+                p_prev = h_ptr + (((level - 1) * S + row) * C) * 16 + ((key >> (shift + 4)) & 15)
+                for c in range(g * G, tl.minimum(g * G + G, C)):
+                    if WEIGHTED:
+                        b_h = tl.zeros([16], dtype=tl.float32)
+                    else:
+                        b_h = tl.zeros([16], dtype=tl.int32)
+                    live = _keys(tl.load(pmax_ptr + row * C + c)) >= low
+                    if level > first:
+                        live = live & (tl.load(p_prev + c * 16) != 0)
+                    if live:      # else no candidate in the chunk
+                        end = tl.minimum(c * CHUNK + CHUNK, V)
+                        for start in range(c * CHUNK, end, BLOCK):
+                            o_v = start + tl.arange(0, BLOCK)
+                            # [BLOCK]
+                            b_l = _load_row(p_row, o_v, end)
+                            b_k = _keys(b_l)
+                            m_c = (((b_k >> (shift + 4)) == (key >> (shift + 4))) & (b_k >= floor_key)
+                                   & (o_v < end))
+                            b_d = ((b_k >> shift) & 15).to(tl.int32)      # 32-bit for the 16 compares below
+                            # [BLOCK, 16]: one-hot digit of each candidate
+                            m_hit = (b_d[:, None] == o_b[None, :]) & m_c[:, None]
+                            if WEIGHTED:
+                                b_w = tl.exp((b_l - m) * inv_t)
+                                b_h += tl.sum(tl.where(m_hit, b_w[:, None], 0.0), axis=0)
+                            else:
+                                b_h += tl.sum(m_hit.to(tl.int32), axis=0)
+                    tl.store(h_ptr + ((level * S + row) * C + c) * 16 + o_b, b_h)
 
 
 @triton.jit

@@ -213,6 +213,42 @@ def test_radix_levels_skip_empty_chunks_and_any_tile_selects_the_same(device):
         assert torch.equal(ids, got[0][0]) and torch.equal(lowest, got[0][1]), f"radix {radix} (seed {seed})"
 
 
+def test_select_bounds_from_chunk_maxima_and_shared_digits(device):
+    """Top-k's select starts from the k-th largest chunk maximum where k is at most the
+    chunk count, and a select skips the levels whose digit its bounds share: the kept sets
+    and draws stay the reference's at k = 1, at the chunk count and one past it, with ties
+    among the chunk maxima, with masked chunks below the bound, and with every logit of a
+    row in one binade (bounds that share most digits), and where the chunk maxima are the
+    top logits (the bound is the threshold)."""
+    from graphrt.kernels.sampling import chunking
+
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    vocab = 40000
+    _, chunk, chunks = chunking(vocab)
+    assert chunks == 40
+    logits = torch.randn(8, vocab, generator=gen) * 2
+    logits[3] = torch.randint(-5, 5, (vocab,), generator=gen).float()              # ties everywhere
+    logits[4] = 1.0 + torch.rand(vocab, generator=gen) * 2 ** -9                     # one binade, close
+    logits[5] = -3.0 - torch.rand(vocab, generator=gen)                              # all negative
+    logits[6, : chunks // 2 * chunk] = -math.inf                                     # half the chunks masked
+    # one spike a chunk, far above the rest (two chunks' alike): the chunk maxima are the
+    # top logits, so the k-th largest maximum is the threshold itself
+    logits[7] = -10.0 - torch.rand(vocab, generator=gen)
+    spikes = 5.0 + 0.25 * torch.randperm(chunks, generator=gen).float()
+    spikes[int(rng.integers(0, chunks))] = spikes[int(rng.integers(0, chunks))]
+    for c in range(chunks):
+        logits[7, c * chunk + int(rng.integers(0, min(chunk, vocab - c * chunk)))] = spikes[c]
+    logits = logits.to(device)
+    k_of = [1, chunks, chunks + 1, 3, 7, 20, 25, int(rng.integers(2, chunks))]
+    rows = [(float(rng.choice([0.7, 1.0])), k, float(rng.choice([1.0, 0.9, 0.5])), 0.0,
+             int(rng.integers(0, 2 ** 62)), int(rng.integers(0, 2 ** 40))) for k in k_of]
+    args = settings(rows, device)
+    lowest = torch.empty(len(rows), dtype=torch.float32, device=device)
+    ids = sample(logits, **args, lowest=lowest)
+    assert_draws(logits, args, ids, lowest, rows, f"seed {seed}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [1, 17, 2500], ids=lambda v: f"V{v}")
 def test_kept_lowest_is_what_sample_keeps(dtype, vocab, device):
