@@ -10,7 +10,8 @@ batch 64, 128k vocabulary), and greedy at batch 256 at 1.0 ms for 66 MB of logit
 a read at the copy rate takes ~20 µs. Which launches hold it (the twenty passes' idle
 programs, or the radix levels' reads), and do the radix levels' tiles matter (at 1024
 logits a tile they take 168-203 registers, sm_90a, Triton 3.9's ptxas: two programs an
-SM)? Each row gives the replay's median and each kernel's µs per replay. Writes
+SM)? Each row gives the replay's median and each kernel's µs per replay (and
+``greedy``'s two launches beside them, setting ``greedy_op``). Writes
 ``probe_sampling.json``.
 """
 
@@ -68,6 +69,12 @@ def main() -> None:
             seed = torch.arange(batch, device=device)
             counter = torch.full((batch,), 100, device=device, dtype=torch.int64)
             out = torch.empty(batch, dtype=torch.int64, device=device)
+            # graphrt.kernels.greedy beside them: the two launches a greedy-only loop makes
+            ms = time_ms(lambda: ks.greedy(logits, out=out))
+            kernels = per_kernel_us(_graph(lambda: ks.greedy(logits, out=out))) if cuda else {}
+            rows.append(dict(vocab=vocab, batch=batch, setting="greedy_op", radix=None, ms=ms,
+                             logits_mb=logits.numel() * logits.element_size() / 1e6, kernels_us=kernels))
+            print(f"V={vocab} B={batch} greedy_op: {ms * 1e3:.1f} us", flush=True)
             for name in args.settings.split(","):
                 t, k, p, mp = SETTINGS[name]
                 st = dict(temperature=torch.full((batch,), t, device=device),
