@@ -138,9 +138,11 @@ def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr
                   h_ptr, key_ptr, need_ptr, kthr_ptr, zpart_ptr, level, WEIGHTED: tl.constexpr, CP: tl.constexpr,
                   BLOCK: tl.constexpr):
     """Level ``level`` of a radix select (WEIGHTED: top-p's, over the top-k set; else top-k's)
-    for G chunks of one row: the state before this level from the last one (the row's first
-    program writes it, for the next level and the consumers), then each chunk's histogram of
-    the digit (zeros, unread, for a chunk whose maximum is below every candidate)."""
+    for G chunks of one row: the state before this level from the last one, or from the
+    candidates' bounds where they fix it (the row's first program writes it, for the next
+    level and the consumers), then each chunk's histogram of the digit (zeros, unread, for a
+    chunk that holds no candidate; none written at a level the bounds fix: no level reads
+    it)."""
     row = tl.program_id(0)
     g = tl.program_id(1)
     t = tl.load(temp_ptr + row)
