@@ -22,28 +22,11 @@ from pathlib import Path
 
 import torch
 
-from graphrt.bench.common import time_ms, write
+from graphrt.bench.common import captured, kernel_us, time_ms, write
 from graphrt.bench.sampling import SETTINGS
 
 SETTINGS = {**SETTINGS, "top_k": (0.8, 50, 1.0, 0.0), "top_p": (0.8, 0, 0.9, 0.0)}
 TILES = [None, (512, 4), (256, 4), (1024, 8)]      # (radix block, radix warps); None: the default
-
-
-def per_kernel_us(run, reps: int = 20) -> dict:
-    """µs per call of ``run`` by kernel name, from the profiler's device times."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            run()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-        if us and "Memcpy" not in e.key and "Memset" not in e.key:
-            out[e.key] = round(us / reps, 2)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> None:
@@ -71,7 +54,7 @@ def main() -> None:
             out = torch.empty(batch, dtype=torch.int64, device=device)
             # graphrt.kernels.greedy beside them: the two launches a greedy-only loop makes
             ms = time_ms(lambda: ks.greedy(logits, out=out))
-            kernels = per_kernel_us(_graph(lambda: ks.greedy(logits, out=out))) if cuda else {}
+            kernels = kernel_us(captured(lambda: ks.greedy(logits, out=out))) if cuda else {}
             rows.append(dict(vocab=vocab, batch=batch, setting="greedy_op", radix=None, ms=ms,
                              logits_mb=logits.numel() * logits.element_size() / 1e6, kernels_us=kernels))
             print(f"V={vocab} B={batch} greedy_op: {ms * 1e3:.1f} us", flush=True)
@@ -88,7 +71,7 @@ def main() -> None:
                     try:
                         ms = time_ms(run)
                         ids = out.clone()
-                        kernels = per_kernel_us(_graph(run)) if cuda else {}
+                        kernels = kernel_us(captured(run)) if cuda else {}
                     except Exception as exc:      # a tile that does not compile or fit: recorded, not fatal
                         print(f"V={vocab} B={batch} {name} {tile}: {type(exc).__name__}: {exc}"[:300], flush=True)
                         rows.append(dict(vocab=vocab, batch=batch, setting=name, radix=tile, error=str(exc)[:300]))
@@ -102,19 +85,6 @@ def main() -> None:
                     print(f"V={vocab} B={batch} {name} radix={tile}: {ms * 1e3:.1f} us  [{top}]", flush=True)
     path = write(args.out, "probe_sampling" if cuda else "probe_sampling_cpu", rows)
     print(f"wrote {path}")
-
-
-def _graph(fn):
-    """``fn`` captured once; returns the replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 if __name__ == "__main__":

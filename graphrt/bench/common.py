@@ -193,18 +193,7 @@ def time_ms(fn, *, iters: int = 50, graph: bool = True) -> float:
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
         return sorted(times)[len(times) // 2]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
+    run = captured(fn) if graph else _warmed(fn)
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -214,6 +203,41 @@ def time_ms(fn, *, iters: int = 50, graph: bool = True) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
+
+
+def _warmed(fn):
+    """``fn`` after two warm-up calls on a side stream (Triton's compiles, the allocator)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return fn
+
+
+def captured(fn):
+    """``fn`` warmed up, then captured once in a CUDA graph; returns the graph's replay."""
+    _warmed(fn)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def kernel_us(run, reps: int = 20) -> dict:
+    """Device µs per call of ``run`` by kernel name (the profiler's self device time over
+    ``reps`` calls; copies and memsets left out), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    out = {e.key: round(e.self_device_time_total / reps, 2) for e in prof.key_averages()
+           if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.key and "Memset" not in e.key}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def profile_steps(run_step, steps: int) -> dict:
