@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from graphrt.bench.common import captured, kernel_us, time_ms, write
+from graphrt.bench.common import captured, default_out, kernel_us, time_ms, write
 from graphrt.bench.sampling import SETTINGS
 
 SETTINGS = {**SETTINGS, "top_k": (0.8, 50, 1.0, 0.0), "top_p": (0.8, 0, 0.9, 0.0)}
@@ -33,7 +33,7 @@ def main() -> None:
     from graphrt.kernels import sampling as ks
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<card>")
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--vocabs", default="128256")
     parser.add_argument("--settings", default=",".join(SETTINGS))
@@ -83,7 +83,7 @@ def main() -> None:
                     rows.append(row)
                     top = ", ".join(f"{k.split('_kernel')[0]}_kernel {v}" for k, v in list(kernels.items())[:4])
                     print(f"V={vocab} B={batch} {name} radix={tile}: {ms * 1e3:.1f} us  [{top}]", flush=True)
-    path = write(args.out, "probe_sampling" if cuda else "probe_sampling_cpu", rows)
+    path = write(args.out or default_out(), "probe_sampling" if cuda else "probe_sampling_cpu", rows)
     print(f"wrote {path}")
 
 
