@@ -101,7 +101,7 @@ def _kth_largest_key(p_pmax, C, k, CP: tl.constexpr):
     o_c = tl.arange(0, CP)
     b_k = tl.where(o_c < C, _keys(tl.load(p_pmax + o_c, mask=o_c < C, other=float("-inf"))), -1)
     reach = tl.sum((b_k[None, :] >= b_k[:, None]).to(tl.int32), axis=1)     # [CP]: maxima >= each
-    return tl.max(tl.where((reach >= k) & (o_c < C), b_k, 0), axis=0)
+    return tl.max(tl.where(reach >= k, b_k, 0), axis=0)      # (lanes past C hold -1: never the largest)
 
 
 @triton.jit
