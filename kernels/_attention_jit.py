@@ -186,22 +186,37 @@ def _attend_span(
 
 
 @triton.jit
+def _rotate_loads(p_x, m_rows, o_tok, o_d, cos_ptr, sin_ptr, stride_cs_tok, ROPE_DIM: tl.constexpr):
+    """The loads of ``_rotate`` (its other operands: the pair column of each of x's columns,
+    cos and sin), apart, so that a launch can issue them early and rotate later."""
+    HALF: tl.constexpr = ROPE_DIM // 2
+    m_rot = o_d < ROPE_DIM
+    m = m_rows[:, None] & m_rot[None, :]
+    pair = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)
+    b_pair = tl.load(p_x + (pair - o_d)[None, :], mask=m, other=0.0)
+    o_cs = o_tok.to(tl.int64)[:, None] * stride_cs_tok + o_d[None, :]
+    b_cos = tl.load(cos_ptr + o_cs, mask=m, other=1.0)
+    b_sin = tl.load(sin_ptr + o_cs, mask=m, other=0.0)
+    return b_pair, b_cos, b_sin
+
+
+@triton.jit
+def _rotate_apply(b_x, b_pair, b_cos, b_sin, o_d, ROPE_DIM: tl.constexpr):
+    HALF: tl.constexpr = ROPE_DIM // 2
+    sign = tl.where(o_d < HALF, -1.0, 1.0)
+    return (b_x.to(tl.float32) * b_cos.to(tl.float32)
+            + b_pair.to(tl.float32) * sign[None, :] * b_sin.to(tl.float32)).to(b_x.dtype)
+
+
+@triton.jit
 def _rotate(b_x, p_x, m_rows, o_tok, o_d, cos_ptr, sin_ptr, stride_cs_tok, ROPE_DIM: tl.constexpr):
     """Rotary embedding of the rows b_x ([rows, HEAD_DIM_PAD], loaded from p_x under the row
     mask m_rows), rotate-half form over its first ROPE_DIM columns (the rest pass through):
     ``x * cos + rotate_half(x) * sin`` with rotate_half(x)[d] = -x[d + R/2] below R/2 and
     x[d - R/2] from there, cos and sin the rows o_tok of [T, >= ROPE_DIM] tables; in fp32,
     rounded once to x's dtype (what Inductor's fused kernel of that expression computes)."""
-    HALF: tl.constexpr = ROPE_DIM // 2
-    m_rot = o_d < ROPE_DIM
-    m = m_rows[:, None] & m_rot[None, :]
-    pair = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)
-    b_pair = tl.load(p_x + (pair - o_d)[None, :], mask=m, other=0.0).to(tl.float32)
-    o_cs = o_tok.to(tl.int64)[:, None] * stride_cs_tok + o_d[None, :]
-    b_cos = tl.load(cos_ptr + o_cs, mask=m, other=1.0).to(tl.float32)
-    b_sin = tl.load(sin_ptr + o_cs, mask=m, other=0.0).to(tl.float32)
-    sign = tl.where(o_d < HALF, -1.0, 1.0)
-    return (b_x.to(tl.float32) * b_cos + b_pair * sign[None, :] * b_sin).to(b_x.dtype)
+    b_pair, b_cos, b_sin = _rotate_loads(p_x, m_rows, o_tok, o_d, cos_ptr, sin_ptr, stride_cs_tok, ROPE_DIM)
+    return _rotate_apply(b_x, b_pair, b_cos, b_sin, o_d, ROPE_DIM)
 
 
 @triton.jit
@@ -220,8 +235,9 @@ def _write_new_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_p
         o_p = w + tl.arange(0, ROWS)
         o_t = q_start + (o_p - ctx_len)
         m_t = (o_p < w_hi) & (o_t >= 0) & (o_t < num_q_rows)
+        # the new rows' loads under the row mask alone, beside the slots' (not after them:
+        # one round trip fewer); a row whose slot is outside the cache is loaded, not stored
         slot = tl.load(slot_mapping_ptr + o_t, mask=m_t, other=-1)
-        m_t = m_t & (slot >= 0) & (slot < num_slots)
         m = m_t[:, None] & m_d[None, :]
         o_t = o_t.to(tl.int64)
         p_kn = k_new_ptr + o_t[:, None] * stride_kn_tok + i_kvh * stride_kn_head + o_d[None, :]
@@ -229,6 +245,8 @@ def _write_new_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_p
         if ROPE_DIM > 0:
             b_k = _rotate(b_k, p_kn, m_t, o_t, o_d, cos_ptr, sin_ptr, stride_cs_tok, ROPE_DIM)
         b_v = tl.load(v_new_ptr + o_t[:, None] * stride_vn_tok + i_kvh * stride_vn_head + o_d[None, :], mask=m)
+        m_t = m_t & (slot >= 0) & (slot < num_slots)
+        m = m_t[:, None] & m_d[None, :]
         if KV_FP8:
             b_k = _to_e4m3_values(b_k, tl.load(k_scale_ptr + i_kvh), ROUND_E4M3)
             b_v = _to_e4m3_values(b_v, tl.load(v_scale_ptr + i_kvh), ROUND_E4M3)
@@ -424,6 +442,12 @@ def _attend_tile(
         if FUSE_MERGE and merge_now != 0 and i_split >= tl.maximum(num_active, 1):
             return
         m_q = m_row & (st_lo + o_m * 0 < st_hi)    # (a vector compare: the interpreter takes no scalar in a mask)
+    # [BLOCK_M, HEAD_DIM_PAD]; loaded (with what rotating it takes) before the new K/V are
+    # written: no store of the launch reaches q, and its loads then overlap the write's
+    p_q = q_ptr + o_row.to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_q[:, None] & m_d[None, :], other=0.0)
+    if ROPE_DIM > 0:
+        q_pair, q_cos, q_sin = _rotate_loads(p_q, m_q, o_row, o_d, cos_ptr, sin_ptr, stride_cs_tok, ROPE_DIM)
     if WRITE_KV:
         # The launch writes the step's new K/V (a decode launch: one token per sequence, in
         # the last key tile). Each program writes those its own key tiles hold, from
@@ -440,11 +464,8 @@ def _attend_tile(
                       ROPE_DIM)
         tl.debug_barrier()
 
-    # [BLOCK_M, HEAD_DIM_PAD]
-    p_q = q_ptr + o_row.to(tl.int64)[:, None] * stride_q_tok + i_qh[:, None] * stride_q_head + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_q[:, None] & m_d[None, :], other=0.0)
     if ROPE_DIM > 0:
-        b_q = _rotate(b_q, p_q, m_q, o_row, o_d, cos_ptr, sin_ptr, stride_cs_tok, ROPE_DIM)
+        b_q = _rotate_apply(b_q, q_pair, q_cos, q_sin, o_d, ROPE_DIM)
     if KV_FP8:       # K = codes * k_scale: folded into the logit scale; V's scale into the output
         scale_log2e = scale_log2e * tl.load(k_scale_ptr + i_kvh)
         if q_ptr.dtype.element_ty == tl.bfloat16:
