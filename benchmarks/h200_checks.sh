@@ -2,7 +2,7 @@
 # The GPU checks of a commit, in one go, for a machine with a CUDA device:
 #   bash benchmarks/h200_checks.sh OUT PART...
 # PART: tests | tests-517 (the suite on the image's transformers) | tests-transformers | demo-models | bench-model | sanitizer | sanitizer-each | tests+sanitizer (first only: both at once) | tests-precompile | ab-runtime | ab-kernels | probe-step | probe-host |
-#       probe-ops | probe-pdl | ab-sampling | ab-host | bench-host | bench-capture | bench-runtime | bench-step | bench-sampling | probe-sampling (PROBE_ARGS, e.g. "--batches 8,64 --settings filtered") | bench-speculative (SPEC_ARGS, e.g. "--batches 1,8 --drafts 3 --sampled") | probe-model-step | probe-linear-fusions (with --sweep) |
+#       probe-ops | probe-pdl | ab-sampling | ab-host | ab-decode (sweep_decode.py's SWEEP_ARGS, DECODE_VARIANTS on . and $BASE) | bench-host | bench-capture | bench-runtime | bench-step | bench-sampling | probe-sampling (PROBE_ARGS, e.g. "--batches 8,64 --settings filtered") | bench-speculative (SPEC_ARGS, e.g. "--batches 1,8 --drafts 3 --sampled") | probe-model-step | probe-linear-fusions (with --sweep) |
 #       bench-kernels | sweep-fp8 | sweep-prefill | probe-prefill-tma | sweep-splits | sweep-decode | ncu-decode | ncu-merge | ncu-model-step (NCU_COUNT kernels, default 140). ab-runtime, ab-kernels (ROUNDS, default 1), ab-sampling, ab-host (ROUNDS, default 2) and probe-step compare with the tree in $BASE
 #       (a `git archive` of an older commit; default .base; PROBE_ARGS: probe_step_gpu.py options (probe-step), or probe_model_step.py's (probe-model-step, e.g. "--model llama-8b --batches 1,32 --compiled-only"); SWEEP_ARGS: sweep_prefill.py options, e.g. "--new-kv --sizes 4096 16384", or sweep_decode.py's, e.g. "--heads 32,8,64 --shapes 1:512,8:512", with DECODE_VARIANTS its variants, e.g. "map rope;map x8 n64 rope launch"); JOBS: pytest workers for tests (default 10); SHARD=K/N: the K-th of N parts of the suite (tests, tests-517: a cold machine needs about 600 s for the whole suite at 16 workers, more than one call); HF_SITE: a folder of carried
 #       packages put first on PYTHONPATH for the transformers parts (a newer transformers than the image's); MODEL_ARGS:
@@ -75,6 +75,11 @@ for part in "$@"; do
     probe-step) new=$(site new .); old=$(site old "$base")
                 timeout "$limit" bash -c "for r in 1 2; do for s in $new $old; do PYTHONPATH=\$s:\${PYTHONPATH:-} \
                   python3 benchmarks/probes/probe_step_gpu.py ${PROBE_ARGS:-} --label \$s | tail -n 1; done; done" ;;
+    ab-decode) rm -rf /tmp/ab_decode; new=$(site new .); old=$(site old "$base")   # sweep_decode.py on both trees, A B A B
+                timeout "$limit" bash -c "for r in 1 2; do for s in $new $old; do PYTHONPATH=\$s:\${PYTHONPATH:-} \
+                  python3 benchmarks/probes/sweep_decode.py --out /tmp/ab_decode/\${s##*_}_\$r ${SWEEP_ARGS:-} \
+                  ${DECODE_VARIANTS:+--variants \"$DECODE_VARIANTS\"} | grep -v '^wrote'; done; done" && \
+                python3 benchmarks/probes/sweep_decode.py --merge /tmp/ab_decode --labels "$c,base" --out "$out" ;;
     probe-host) timeout "$limit" python3 benchmarks/probes/probe_step_host.py --out "$out" ;;
     probe-ops) timeout "$limit" python3 benchmarks/probes/probe_host_ops.py --out "$out" ;;
     bench-host) timeout "$limit" python3 -m graphrt bench host --out "$out" ;;

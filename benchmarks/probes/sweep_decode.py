@@ -116,13 +116,46 @@ def launch_ms(batch: int, ctx: int, variant: str, *, iters: int, layer: bool = F
             os.environ["GRAPHRT_PDL"] = previous
 
 
+def merge(folder: Path, labels: list[str], out: Path) -> Path:
+    """``ab_decode_<a>_vs_<b>.json``: per cell the median µs over rounds of the sweeps run
+    on the new tree (``new_*``) and the old one (``old_*``), and their ratio new / old."""
+    import json
+    import statistics
+
+    runs: dict[str, dict[tuple, list[float]]] = {"new": {}, "old": {}}
+    env = None
+    for path in sorted(folder.glob("*_*/sweep_decode.json")):
+        tree = path.parent.name.split("_")[0]
+        data = json.loads(path.read_text())
+        env = env or data["env"]
+        for row in data["rows"]:
+            key = (row["variant"], row["batch"], row["context"], row["splits"])
+            runs[tree].setdefault(key, []).append(1000 * row["ms"])
+    rows = []
+    for key in runs["new"]:
+        if key not in runs["old"]:
+            continue
+        a, b = statistics.median(runs["new"][key]), statistics.median(runs["old"][key])
+        rows.append(dict(zip(("variant", "batch", "context", "splits"), key), **{
+            f"{labels[0]}_us": a, f"{labels[1]}_us": b, "ratio": a / b,
+            "rounds": [len(runs["new"][key]), len(runs["old"][key])]}))
+        print(f"batch {key[1]:3d} ctx {key[2]:6d} {key[0]:24s} {a:8.2f} against {b:8.2f} us: {a / b:.3f}")
+    return write(out, f"ab_decode_{labels[0]}_vs_{labels[1]}", rows, dict(env or {}, labels=labels))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
     parser.add_argument("--heads", default=None, help="HQ,HKV,D: query heads, KV heads, head_dim")
     parser.add_argument("--shapes", default=None, help="batch:context pairs, comma-separated")
     parser.add_argument("--variants", default=None, help="';'-separated variants instead of the default set")
+    parser.add_argument("--merge", type=Path, default=None,
+                        help="no run: merge DIR/new_<round>/ and DIR/old_<round>/ sweeps (h200_checks.sh ab-decode)")
+    parser.add_argument("--labels", default="new,old", help="with --merge: the two trees' names")
     args = parser.parse_args()
+    if args.merge is not None:
+        print(f"wrote {merge(args.merge, args.labels.split(','), args.out)}")
+        return
     quick = not torch.cuda.is_available()
     if args.heads:
         bk.HQ, bk.HKV, bk.D = (int(x) for x in args.heads.split(","))
