@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from _cases import TOL, Seq, assert_close, build_meta, examples, fresh_seed, rngs
 from graphrt import Runtime, RuntimeConfig, SeqStep, Step
 from graphrt.kernels import AttentionMetadata, KernelConfig, default_config, paged_attention, reference, write_kv
+from graphrt.kernels.paged_attention import apply_rope
 
 GUARD = 3          # rows (or cache blocks) of guard band on each side
 SENTINEL = 7.25    # what the bands hold
@@ -227,6 +228,54 @@ def test_wrapped_window_bound_leaves_few_new_key_tiles(device):
         torch.cuda.synchronize()
     for name, whole in (("k_cache", k_whole), ("v_cache", v_whole), ("out", out_whole)):
         assert_bands(name, whole)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        written = (cache.reshape(4 * 16, 16) != SENTINEL).any(1).nonzero().flatten().tolist()
+        assert set(written) <= {3, 20}, f"{name}: slots {written} written, only 3 and 20 drawn"
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("max_query_len", [1, None])
+def test_launch_writes_new_kv_at_valid_slots_only(max_query_len, rope, splits, device):
+    """A launch given the new K/V writes each token at its slot, and nothing where a slot is
+    negative or past the cache (a token not to be kept, or hand-built metadata): decode
+    launches (which read the keys back from the cache) and prefill ones (k/v directly),
+    with and without rotating the keys."""
+    seed = fresh_seed()
+    _, gen = rngs(seed)
+    lens = [7, 18, 1, 33]                 # context + 1 new token each
+    blocks = [[5, 0], [3, 1], [6], [2, 4, 7]]
+    num_slots = 8 * 16
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(5, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_table=torch.tensor([b + [0] * (3 - len(b)) for b in blocks], dtype=torch.int32, device=device),
+        prefix_ranges=torch.zeros(4, 0, 2, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor([blocks[0][0] * 16 + 6, -1, num_slots + 9, blocks[3][2] * 16 + 0],
+                                  dtype=torch.int64, device=device))
+    k_cache = torch.full((8, 16, 1, 16), SENTINEL, device=device)
+    v_cache = torch.full((8, 16, 1, 16), SENTINEL, device=device)
+    q = torch.randn(4, 2, 16, generator=gen).to(device)
+    k_new = torch.randn(4, 1, 16, generator=gen).to(device)
+    v_new = torch.randn(4, 1, 16, generator=gen).to(device)
+    tables = None
+    if rope:
+        angle = torch.rand(4, 8, generator=gen) * 6.28
+        tables = tuple(torch.cat([f(angle)] * 2, -1).to(device) for f in (torch.cos, torch.sin))
+    paged_attention(q, k_cache, v_cache, torch.empty_like(q), meta, num_splits=splits, max_query_len=max_query_len,
+                    new_kv=(k_new, v_new), rope=tables)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    for name, cache, new in (("k_cache", k_cache, k_new), ("v_cache", v_cache, v_new)):
+        flat = cache.reshape(num_slots, 16)
+        written = (flat != SENTINEL).any(1).nonzero().flatten().tolist()
+        assert written == [int(meta.slot_mapping[0]), int(meta.slot_mapping[3])], \
+            f"{name}: slots {written} written (seed={seed})"
+        want = new[[0, 3]]
+        if rope and name == "k_cache":
+            want = apply_rope(want, tables[0][[0, 3]], tables[1][[0, 3]])
+        torch.testing.assert_close(flat[written], want[:, 0], rtol=1e-6, atol=1e-6,
+                                   msg=lambda m: f"{name}: wrong values written (seed={seed}): {m}")
 
 
 # ---------------------------------------------------------------- runtime entry points
