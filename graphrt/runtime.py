@@ -27,6 +27,7 @@ import torch
 from graphrt.buffers import DeviceViews, Layout, StepBuffers
 from graphrt.config import RuntimeConfig
 from graphrt.kernels import decode_splits, paged_attention, split_workspace, write_kv
+from graphrt.kernels.linear import prefetch_l2_by_default
 from graphrt.kernels.paged_attention import key_tile
 from graphrt.kernels.ops import attention_op
 from graphrt.kernels.ops import sample as sample_op
@@ -324,7 +325,7 @@ class Runtime:
         name = f"{getattr(step, '__module__', '')}.{getattr(step, '__qualname__', type(step).__qualname__)}"
         gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return repr((self.cfg, name, len(self.k_caches), gpu, torch.__version__,
-                     os.environ.get("GRAPHRT_PDL"), os.environ.get("GRAPHRT_LINEAR_PREFETCH_L2"),
+                     os.environ.get("GRAPHRT_PDL"), prefetch_l2_by_default(),
                      self.compiler.options if self.compiler is not None else None))
 
     def _weights(self) -> list[tuple[str, dict, str]]:

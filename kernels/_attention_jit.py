@@ -202,6 +202,7 @@ def _rotate_loads(p_x, m_rows, o_tok, o_d, cos_ptr, sin_ptr, stride_cs_tok, ROPE
 
 @triton.jit
 def _rotate_apply(b_x, b_pair, b_cos, b_sin, o_d, ROPE_DIM: tl.constexpr):
+    """``_rotate`` on operands ``_rotate_loads`` brought in."""
     HALF: tl.constexpr = ROPE_DIM // 2
     sign = tl.where(o_d < HALF, -1.0, 1.0)
     return (b_x.to(tl.float32) * b_cos.to(tl.float32)

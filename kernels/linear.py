@@ -23,7 +23,7 @@ sees it."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -206,16 +206,22 @@ def default_linear_config(m: int, n: int, k: int, itemsize: int = 2) -> LinearCo
     64 rows with the 16 x 256 tiles in three stages asked for 240 KB of shared memory on the
     H100 (232 KB there). ``prefetch_l2`` is on where GRAPHRT_LINEAR_PREFETCH_L2=1 (an
     experiment, not yet timed: off by default)."""
-    l2 = os.environ.get("GRAPHRT_LINEAR_PREFETCH_L2", "0") == "1"
     if m == 1:
-        return LinearConfig(block_n=4, block_k=1024, num_warps=8 if n <= 2048 else 4, prefetch_l2=l2)
-    if block_rows(m) > 32 or itemsize > 2:
-        return LinearConfig(block_n=16, block_k=128, num_stages=2, prefetch_l2=l2)
-    if n >= 16384:
-        return LinearConfig(block_n=64, block_k=128, num_stages=3, prefetch_l2=l2)
-    if n >= 3072:
-        return LinearConfig(block_n=32, block_k=256, num_stages=3, prefetch_l2=l2)
-    return LinearConfig(block_n=16, block_k=256, num_stages=3, prefetch_l2=l2)
+        cfg = LinearConfig(block_n=4, block_k=1024, num_warps=8 if n <= 2048 else 4)
+    elif block_rows(m) > 32 or itemsize > 2:
+        cfg = LinearConfig(block_n=16, block_k=128, num_stages=2)
+    elif n >= 16384:
+        cfg = LinearConfig(block_n=64, block_k=128, num_stages=3)
+    elif n >= 3072:
+        cfg = LinearConfig(block_n=32, block_k=256, num_stages=3)
+    else:
+        cfg = LinearConfig(block_n=16, block_k=256, num_stages=3)
+    return replace(cfg, prefetch_l2=prefetch_l2_by_default())
+
+
+def prefetch_l2_by_default() -> bool:
+    """``default_linear_config``'s ``prefetch_l2``: on where GRAPHRT_LINEAR_PREFETCH_L2 is "1"."""
+    return os.environ.get("GRAPHRT_LINEAR_PREFETCH_L2", "0") == "1"
 
 
 def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tensor, ...],
