@@ -27,7 +27,6 @@ import torch
 from graphrt.buffers import DeviceViews, Layout, StepBuffers
 from graphrt.config import RuntimeConfig
 from graphrt.kernels import decode_splits, paged_attention, split_workspace, write_kv
-from graphrt.kernels.linear import prefetch_l2_by_default
 from graphrt.kernels.paged_attention import key_tile
 from graphrt.kernels.ops import attention_op
 from graphrt.kernels.ops import sample as sample_op
@@ -318,15 +317,13 @@ class Runtime:
 
     def _precompile_key(self) -> str:
         """What decides the kernel variants besides the buckets: the config, the model step,
-        the layer count, the device, torch, the PDL switch and the linear launches' L2
-        prefetch (the precompile manifest's name; a capture that meets a variant the
-        manifest lacks removes it anyway)."""
+        the layer count, the device, torch and the PDL switch (the precompile manifest's
+        name; a capture that meets a variant the manifest lacks removes it anyway)."""
         step = self.model_step
         name = f"{getattr(step, '__module__', '')}.{getattr(step, '__qualname__', type(step).__qualname__)}"
         gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return repr((self.cfg, name, len(self.k_caches), gpu, torch.__version__,
-                     os.environ.get("GRAPHRT_PDL"), prefetch_l2_by_default(),
-                     self.compiler.options if self.compiler is not None else None))
+                     os.environ.get("GRAPHRT_PDL"), self.compiler.options if self.compiler is not None else None))
 
     def _weights(self) -> list[tuple[str, dict, str]]:
         """(qualified name, owning dict, key) of every parameter and buffer of the model

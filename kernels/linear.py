@@ -22,8 +22,7 @@ sees it."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -73,14 +72,6 @@ def _load_x(p_x, p_g, nw_ptr, o_k, m_x, m_k, ss, GATED: tl.constexpr, NORM: tl.c
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """A hint: the 128-byte lines at ``ptrs`` into L2 (``prefetch.global.L2``), nothing
-    loaded into registers, nothing waited for. GPU only (inline PTX)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _linear_tile(x_ptr, g_ptr, nw_ptr, eps, r_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_gm, stride_rm,
                  stride_wn, stride_ym, i_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
@@ -104,14 +95,6 @@ def _linear_tile(x_ptr, g_ptr, nw_ptr, eps, r_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     m_k = o_k < K
     if PREFETCH:
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)     # [BLOCK_N, BLOCK_K]
-        if PREFETCH == 2:
-            # and the rest of its rows into L2, a line at a time (rows and columns clamped
-            # inside the weight): the stream after the wait then reads L2
-            LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth     # elements a 128-byte line
-            STEP: tl.constexpr = LINE if LINE < BLOCK_K else BLOCK_K
-            p_wl = w_ptr + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_wn
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                _prefetch_l2(p_wl + tl.minimum(k0 + tl.arange(0, BLOCK_K // STEP) * STEP, K - 1)[None, :])
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     else:
@@ -175,9 +158,6 @@ class LinearConfig:
     block_k: int            # columns a load takes (a [block_n, block_k] tile in flight)
     num_warps: int = 4
     num_stages: int = 1
-    # with constant weights in a programmatic dependent launch: besides its first tile, each
-    # program asks L2 for the rest of its weight rows before it waits for the launch before
-    prefetch_l2: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -186,8 +166,6 @@ class LinearConfig:
                 raise ValueError(f"LinearConfig.{name} must be a power of two >= 1, got {v!r}")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"LinearConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
-        if not isinstance(self.prefetch_l2, bool):
-            raise TypeError(f"LinearConfig.prefetch_l2 must be a bool, got {type(self.prefetch_l2).__name__}")
 
 
 def block_rows(m: int) -> int:
@@ -204,24 +182,16 @@ def default_linear_config(m: int, n: int, k: int, itemsize: int = 2) -> LinearCo
     (gate/up, the LM head), 32 x 256 for a q/k/v group, 16 x 256 for the rest, three stages
     of loads in flight. 33 to 64 rows (not swept) and fp32 take 16 x 128 tiles in two stages:
     64 rows with the 16 x 256 tiles in three stages asked for 240 KB of shared memory on the
-    H100 (232 KB there). ``prefetch_l2`` is on where GRAPHRT_LINEAR_PREFETCH_L2=1 (an
-    experiment, not yet timed: off by default)."""
+    H100 (232 KB there)."""
     if m == 1:
-        cfg = LinearConfig(block_n=4, block_k=1024, num_warps=8 if n <= 2048 else 4)
-    elif block_rows(m) > 32 or itemsize > 2:
-        cfg = LinearConfig(block_n=16, block_k=128, num_stages=2)
-    elif n >= 16384:
-        cfg = LinearConfig(block_n=64, block_k=128, num_stages=3)
-    elif n >= 3072:
-        cfg = LinearConfig(block_n=32, block_k=256, num_stages=3)
-    else:
-        cfg = LinearConfig(block_n=16, block_k=256, num_stages=3)
-    return replace(cfg, prefetch_l2=prefetch_l2_by_default())
-
-
-def prefetch_l2_by_default() -> bool:
-    """``default_linear_config``'s ``prefetch_l2``: on where GRAPHRT_LINEAR_PREFETCH_L2 is "1"."""
-    return os.environ.get("GRAPHRT_LINEAR_PREFETCH_L2", "0") == "1"
+        return LinearConfig(block_n=4, block_k=1024, num_warps=8 if n <= 2048 else 4)
+    if block_rows(m) > 32 or itemsize > 2:
+        return LinearConfig(block_n=16, block_k=128, num_stages=2)
+    if n >= 16384:
+        return LinearConfig(block_n=64, block_k=128, num_stages=3)
+    if n >= 3072:
+        return LinearConfig(block_n=32, block_k=256, num_stages=3)
+    return LinearConfig(block_n=16, block_k=256, num_stages=3)
 
 
 def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tensor, ...],
@@ -313,7 +283,7 @@ def small_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tens
         *(w.stride(0) for w in w3), *(y.stride(0) for y in y3),
         NUM_W=len(weights), BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=biases is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",      # fp32 as torch's matmul: no tf32
-        PDL=pdl, PREFETCH=(2 if cfg.prefetch_l2 else 1) if pdl and constant_weights else 0, GATED=0 if gate is None else ACTIVATIONS[activation],
+        PDL=pdl, PREFETCH=pdl and constant_weights, GATED=0 if gate is None else ACTIVATIONS[activation],
         NORM=0 if norm_weight is None else 2 if norm_offset else 1, RESIDUAL=residual is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=pdl,

@@ -75,7 +75,6 @@ def _variants():
     yield ks._uniform_kernel, {"seed_ptr": ptr("i64"), "counter_ptr": ptr("i64"), "out_ptr": ptr("fp32"), "N": "i32",
                                "BLOCK": "constexpr"}, {"BLOCK": 16}
     # small_linear as a programmatic dependent launch (CompileOptions(pdl=True)), one row and 16
-    # (PREFETCH 0, 1, 2: no weights before the wait, the first tile, and the rest into L2 too)
     lin = {name: ptr("bf16") for name in ("x_ptr", "g_ptr", "nw_ptr", "r_ptr", "w0_ptr", "w1_ptr", "w2_ptr",
                                           "b0_ptr", "b1_ptr", "b2_ptr", "y0_ptr", "y1_ptr", "y2_ptr")}
     lin["eps"] = "fp32"
@@ -89,7 +88,7 @@ def _variants():
         for gated in (0, 1, 2):      # normed (q/k/v), or gated (silu / gelu) + residual (a down projection)
             yield klin._linear_kernel, lin, {"NUM_W": 3, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                                              "HAS_BIAS": False, "DOT_PRECISION": "tf32", "PDL": True,
-                                             "PREFETCH": gated, "GATED": gated, "NORM": 0 if gated else 2,
+                                             "PREFETCH": gated != 0, "GATED": gated, "NORM": 0 if gated else 2,
                                              "RESIDUAL": gated != 0}
     for has_ids in (False, True):
         yield kspec._place_kernel, {"request_ptr": ptr("i32"), "offset_ptr": ptr("i32"), "length_ptr": ptr("i32"),

@@ -3,8 +3,6 @@ against a float64 x @ w.T + b."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -144,8 +142,6 @@ def test_small_linear_refuses_bad_input(device):
         small_linear(torch.zeros(8, 2, device=device).T, [w])
     with pytest.raises(ValueError, match="power of two"):
         LinearConfig(block_n=12, block_k=32)
-    with pytest.raises(TypeError, match="prefetch_l2 must be a bool"):
-        LinearConfig(block_n=16, block_k=32, prefetch_l2=1)
 
 
 def test_default_config_fits_the_rows():
@@ -467,15 +463,13 @@ def test_linear_pass_marks_only_unwritten_input_weights_constant(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("l2", [False, True], ids=["regs", "l2"])
 @pytest.mark.parametrize("rows", [1, 8], ids=["rows1", "rows8"])
-def test_chained_launches_with_pdl_read_what_the_launch_before_wrote(rows, l2):
+def test_chained_launches_with_pdl_read_what_the_launch_before_wrote(rows):
     """A chain of small_linear launches as programmatic dependents in one CUDA graph, each
     loading its first weight tile before it waits (constant weights), each reading the
     output of the launch before, which lets it launch at its own start: every replay with
     fresh inputs gives the chain of float64 products (a launch that read its input before
-    the one before had written it would give the last replay's values). ``l2``: each
-    program also asks L2 for the rest of its weight rows before it waits."""
+    the one before had written it would give the last replay's values)."""
     from graphrt.kernels._checks import pdl_launches, pdl_supported
 
     dev = torch.device("cuda")
@@ -483,15 +477,14 @@ def test_chained_launches_with_pdl_read_what_the_launch_before_wrote(rows, l2):
         pytest.skip("programmatic dependent launch needs sm_90 or newer")
     seed = fresh_seed()
     _, gen = rngs(seed)
-    width, depth = 2048, 6          # (one row: 1024 columns a tile, so one more tile to ask L2 for)
+    width, depth = 1024, 6
     ws = [(torch.randn(width, width, generator=gen) / width ** 0.5).to(dev, torch.bfloat16) for _ in range(depth)]
     x = torch.zeros(rows, width, device=dev, dtype=torch.bfloat16)
 
     def chain():
         h = x
         for w in ws:
-            cfg = default_linear_config(rows, width, width)
-            h = small_linear(h, [w], constant_weights=True, config=replace(cfg, prefetch_l2=l2))[0]
+            h = small_linear(h, [w], constant_weights=True)[0]
         return h
 
     with pdl_launches(True):
@@ -507,27 +500,3 @@ def test_chained_launches_with_pdl_read_what_the_launch_before_wrote(rows, l2):
         for w in ws:
             want = (want @ w.double().T).to(torch.bfloat16).double()   # each launch rounds its output
         assert_close("chain", out, want, 5e-2, 5e-2, seed)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 5, 40])
-def test_l2_prefetch_of_odd_shapes(rows):
-    """Constant weights in programmatic dependent launches, each program asking L2 for the
-    rest of its weight rows before it waits (``prefetch_l2``), on shapes whose last rows and
-    columns fall inside a tile (the asked-for lines are clamped inside the weight): the
-    products of every weight, as without it."""
-    from graphrt.kernels._checks import pdl_launches, pdl_supported
-
-    dev = torch.device("cuda")
-    if not pdl_supported(dev, True):
-        pytest.skip("programmatic dependent launch needs sm_90 or newer")
-    seed = fresh_seed()
-    _, gen = rngs(seed)
-    k = 1000
-    x = torch.randn(rows, k, generator=gen).to(dev, torch.bfloat16)
-    ws = [torch.randn(n, k, generator=gen).to(dev, torch.bfloat16) for n in (37, 130, 3)]
-    cfg = replace(default_linear_config(rows, 170, k), block_k=128, prefetch_l2=True)
-    with pdl_launches(True):
-        got = small_linear(x, ws, constant_weights=True, config=cfg)
-    for i, (y, w) in enumerate(zip(got, ws)):
-        assert_close(f"y[{i}]", y, x.double() @ w.double().T, 2e-2, 2e-2, seed)
