@@ -69,7 +69,8 @@ for part in "$@"; do
                   --rounds 2 --harness a --out /tmp/ab_runtime && cp /tmp/ab_runtime/ab_runtime.json "$out/" ;;
     ab-kernels) timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which kernels \
                   --rounds "${ROUNDS:-1}" --harness a --out /tmp/ab_kernels && cp /tmp/ab_kernels/ab_kernels.json "$out/" ;;
-    ab-sampling|ab-host) w=${part#ab-}; [ "$w" = host ] && for t in . "$base"; do (cd "$t" && python3 setup.py -q build_ext --inplace); done
+    ab-sampling|ab-host) w=${part#ab-}   # both trees with their own C helper (ab.py refuses a tree importing another's)
+                for t in . "$base"; do (cd "$t" && python3 setup.py -q build_ext --inplace); done
                 timeout "$limit" python3 benchmarks/ab.py --a . --b "$base" --labels "$c,base" --which "$w" \
                   --rounds "${ROUNDS:-2}" --harness a --out "/tmp/ab_$w" && cp "/tmp/ab_$w/ab_$w.json" "$out/" ;;
     probe-step) new=$(site new .); old=$(site old "$base")
