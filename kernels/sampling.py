@@ -4,7 +4,7 @@ decide the draw. Nothing is a Python number per step, so a launch captures in a 
 graph once and replays for any settings.
 
 A row is cut into up to MAX_CHUNKS chunks (a cut that depends on the vocabulary only), and
-twenty launches walk the chunks, never sorting; a program takes one chunk at small batches
+twenty-two launches walk the chunks, never sorting a row; a program takes one chunk at small batches
 (so that one row at batch 1 fills the GPU) and several at large ones (about PROGRAMS
 programs a launch). Each launch's programs reduce what the last one left per chunk (in a
 fixed order: the same result every run and in any batch). A chunk whose maximum is below
@@ -28,8 +28,16 @@ candidates' bounds fix (below), read nothing. The passes:
    the token's index. That is an exact draw from the kept set's renormalised softmax, and
    the same (seed, counter) gives the same token in any batch, in a replay or eagerly.
 
+A short path replaces passes 2 to 4 for a row whose top-k bound exists (k at most the
+chunk count) and leaves few candidates: the chunks copy the logits at or above the bound
+into a row's list (at most CANDIDATES; one launch), and one program a row sorts the list
+and reads both thresholds off it (top-k's: the k-th entry; top-p's: the first entry whose
+running mass, in sorted order, reaches p Z). Its masses are summed in another order than
+the radix path's, which could move top-p's threshold only at a mass within rounding of p
+Z. A row with more candidates than the list holds, or no bound, takes the radix passes.
+
 A row whose settings do not need a pass (greedy; top-k off or >= the vocabulary; top-p =
-1) returns from it at once; every launch is made (a captured graph serves any settings),
+1; the radix passes where the short path served it) returns from it at once; every launch is made (a captured graph serves any settings),
 except on CPU tensors, where the interpreter's programs are slow and the settings are
 read to leave out passes no row needs.
 """
@@ -44,6 +52,7 @@ import triton.language as tl
 from ._checks import check_runnable, check_tensor
 
 DIGIT_BITS = 4               # radix select: 8 passes of 16 bins over the 32-bit keys
+CANDIDATES = 1024            # the short path's list: a row with more candidates takes the radix passes
 
 
 @triton.jit
@@ -113,9 +122,15 @@ def _shared_digits(lo, hi):
 
 
 @triton.jit
-def _max_kernel(logits_ptr, stride_row, V, CHUNK, C, G, pmax_ptr, pidx_ptr, BLOCK: tl.constexpr):
+def _max_kernel(logits_ptr, stride_row, V, CHUNK, C, G, pmax_ptr, pidx_ptr, count_ptr, COUNT: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Each of G chunks' maximum and its first index; COUNT: the row's first program also
+    empties the short path's candidate count (``_collect_kernel`` adds to it next)."""
     row = tl.program_id(0)
     g = tl.program_id(1)
+    if COUNT:
+        if g == 0:
+            tl.store(count_ptr + row, 0)
     p_row = logits_ptr + row.to(tl.int64) * stride_row
     for c in range(g * G, tl.minimum(g * G + G, C)):
         m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
@@ -135,14 +150,14 @@ def _max_kernel(logits_ptr, stride_row, V, CHUNK, C, G, pmax_ptr, pidx_ptr, BLOC
 
 @triton.jit
 def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr, top_p_ptr, pmax_ptr, pidx_ptr,
-                  h_ptr, key_ptr, need_ptr, kthr_ptr, zpart_ptr, level, WEIGHTED: tl.constexpr, CP: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  fast_ptr, h_ptr, key_ptr, need_ptr, kthr_ptr, zpart_ptr, level, WEIGHTED: tl.constexpr,
+                  CP: tl.constexpr, BLOCK: tl.constexpr):
     """Level ``level`` of a radix select (WEIGHTED: top-p's, over the top-k set; else top-k's)
     for G chunks of one row: the state before this level from the last one, or from the
     candidates' bounds where they fix it (the row's first program writes it, for the next
     level and the consumers), then each chunk's histogram of the digit (zeros, unread, for a
     chunk that holds no candidate; none written at a level the bounds fix: no level reads
-    it)."""
+    it). A row the short path served (``fast``) is skipped."""
     row = tl.program_id(0)
     g = tl.program_id(1)
     t = tl.load(temp_ptr + row)
@@ -152,7 +167,7 @@ def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr
         wanted = (t > 0) & (p < 1.0)
     else:
         wanted = (t > 0) & (k > 0) & (k < V)
-    if wanted:                       # (settings first: a row that needs no select reads nothing more)
+    if wanted & (tl.load(fast_ptr + row) == 0):                       # (settings first: a row that needs no select reads nothing more)
         m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
         if m > float("-inf"):
             inv_t = 1.0 / t
@@ -223,13 +238,14 @@ def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr
 
 @triton.jit
 def _mass_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr, top_p_ptr, pmax_ptr, pidx_ptr,
-                 hk_ptr, kkey_ptr, kneed_ptr, kthr_ptr, zpart_ptr, CP: tl.constexpr, BLOCK: tl.constexpr):
+                 fast_ptr, hk_ptr, kkey_ptr, kneed_ptr, kthr_ptr, zpart_ptr, CP: tl.constexpr, BLOCK: tl.constexpr):
     """Top-k's threshold (the row's first program keeps it for the later passes) and, where
-    top-p is on, each of G chunks' share of the top-k set's softmax mass."""
+    top-p is on, each of G chunks' share of the top-k set's softmax mass (nothing for a row
+    the short path served)."""
     row = tl.program_id(0)
     g = tl.program_id(1)
     t = tl.load(temp_ptr + row)
-    if t > 0:
+    if (t > 0) & (tl.load(fast_ptr + row) == 0):
         m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
         if m > float("-inf"):
             k = tl.load(top_k_ptr + row)
@@ -254,8 +270,8 @@ def _mass_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr,
 
 @triton.jit
 def _draw_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
-                 counter_ptr, pmax_ptr, pidx_ptr, kthr_ptr, hp_ptr, pkey_ptr, pneed_ptr, bestv_ptr, besti_ptr,
-                 lowc_ptr, DRAW: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
+                 counter_ptr, pmax_ptr, pidx_ptr, fast_ptr, fthr_ptr, kthr_ptr, hp_ptr, pkey_ptr, pneed_ptr,
+                 bestv_ptr, besti_ptr, lowc_ptr, DRAW: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
     """Min-p and the draw over G chunks: each one's best Gumbel score among the kept tokens,
     where, and its smallest kept logit (DRAW 0: the smallest kept logit alone, no uniforms
     drawn; seed, counter, bestv and besti untouched)."""
@@ -266,9 +282,12 @@ def _draw_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr,
         m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
         if m > float("-inf"):
             inv_t = 1.0 / t
-            floor_key = tl.load(kthr_ptr + row)
-            if tl.load(top_p_ptr + row) < 1.0:
-                floor_key = tl.maximum(floor_key, _threshold(hp_ptr, pkey_ptr, pneed_ptr, row, S, C, CP))
+            if tl.load(fast_ptr + row) != 0:       # the short path's thresholds
+                floor_key = tl.load(fthr_ptr + row)
+            else:
+                floor_key = tl.load(kthr_ptr + row)
+                if tl.load(top_p_ptr + row) < 1.0:
+                    floor_key = tl.maximum(floor_key, _threshold(hp_ptr, pkey_ptr, pneed_ptr, row, S, C, CP))
             min_p = tl.load(min_p_ptr + row)
             if DRAW:
                 seed = tl.load(seed_ptr + row)
@@ -328,6 +347,76 @@ def _pick_kernel(temp_ptr, pmax_ptr, pidx_ptr, bestv_ptr, besti_ptr, lowc_ptr, o
         tl.store(out_ptr + row, i_m.to(tl.int64))
     if HAS_LOWEST:
         tl.store(lowest_ptr + row, low)
+
+
+@triton.jit
+def _short_path(t, k, V, C):
+    """Whether a row may take the short path: sampling, with top-k on and bounded by its
+    chunk maxima (k at most the chunk count)."""
+    return (t > 0) & (k > 0) & (k < V) & (k <= C)
+
+
+@triton.jit
+def _collect_kernel(logits_ptr, stride_row, V, CHUNK, C, G, temp_ptr, top_k_ptr, pmax_ptr, pidx_ptr, count_ptr,
+                    cand_ptr, CAP: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
+    """The short path's list: G chunks' logits at or above top-k's bound (the k-th largest
+    chunk maximum) appended to the row's list, the row's count grown by them all (a count
+    past CAP: the list is partial, and the row takes the radix passes). The order of the
+    list depends on the programs' timing; what it holds does not."""
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    if _short_path(tl.load(temp_ptr + row), tl.load(top_k_ptr + row), V, C):
+        m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+        if m > float("-inf"):
+            floor_key = _kth_largest_key(pmax_ptr + row * C, C, tl.load(top_k_ptr + row), CP)
+            p_row = logits_ptr + row.to(tl.int64) * stride_row
+            p_cand = cand_ptr + row.to(tl.int64) * CAP
+            for c in range(g * G, tl.minimum(g * G + G, C)):
+                if _keys(tl.load(pmax_ptr + row * C + c)) >= floor_key:      # else no candidate here
+                    end = tl.minimum(c * CHUNK + CHUNK, V)
+                    for start in range(c * CHUNK, end, BLOCK):
+                        o_v = start + tl.arange(0, BLOCK)
+                        b_l = _load_row(p_row, o_v, end)
+                        m_c = (_keys(b_l) >= floor_key) & (o_v < end)
+                        n_c = tl.sum(m_c.to(tl.int32), axis=0)
+                        if n_c > 0:
+                            base = tl.atomic_add(count_ptr + row, n_c)
+                            pos = base + tl.cumsum(m_c.to(tl.int32), axis=0) - 1
+                            tl.store(p_cand + pos, b_l, mask=m_c & (pos < CAP))
+
+
+@triton.jit
+def _select_kernel(temp_ptr, top_k_ptr, top_p_ptr, pmax_ptr, pidx_ptr, count_ptr, cand_ptr, fast_ptr, fthr_ptr,
+                   V, C, CAP: tl.constexpr, CP: tl.constexpr):
+    """The short path's thresholds, one program a row: where the row's list is whole, its
+    entries sorted, top-k's threshold the k-th (ties at it all kept) and, where top-p is on,
+    top-p's the first entry whose running mass over the top-k set reaches p Z (the largest
+    logit whose top set holds p Z): ``fthr`` the higher of the two, as a key, and ``fast``
+    1 (the radix passes and the mass pass then skip the row); else ``fast`` 0."""
+    row = tl.program_id(0)
+    t = tl.load(temp_ptr + row)
+    k = tl.load(top_k_ptr + row)
+    fast = 0
+    if _short_path(t, k, V, C):
+        m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
+        n = tl.load(count_ptr + row)
+        if (m > float("-inf")) & (n <= CAP):
+            o = tl.arange(0, CAP)
+            b_s = tl.sort(tl.load(cand_ptr + row.to(tl.int64) * CAP + o, mask=o < n, other=float("-inf")),
+                          descending=True)
+            v_k = tl.max(tl.where(o == k - 1, b_s, float("-inf")), axis=0)     # (k <= n: k maxima reach the bound)
+            thr = _keys(v_k)
+            p = tl.load(top_p_ptr + row)
+            if p < 1.0:
+                b_w = tl.where((o < n) & (b_s >= v_k), tl.exp((b_s - m) * (1.0 / t)), 0.0)
+                z = tl.sum(b_w, axis=0)
+                reach = (tl.cumsum(b_w, axis=0) >= p * z) & (o < n) & (b_s >= v_k)
+                i_p = tl.min(tl.where(reach, o, CAP), axis=0)
+                if i_p < CAP:      # (none only where rounding kept the last sum below p Z: all kept)
+                    thr = tl.maximum(thr, _keys(tl.max(tl.where(o == i_p, b_s, float("-inf")), axis=0)))
+            tl.store(fthr_ptr + row, thr)
+            fast = 1
+    tl.store(fast_ptr + row, fast)
 
 
 def default_block(vocab: int) -> int:
@@ -450,13 +539,18 @@ def _check_lowest(lowest: torch.Tensor, logits: torch.Tensor, *, name: str = "lo
 
 
 def _passes(logits, temperature, top_k, top_p, min_p, seed, counter, out, lowest, group, *,
-            radix: tuple[int, int] | None = None) -> torch.Tensor | None:
+            radix: tuple[int, int] | None = None, candidates: int = CANDIDATES) -> torch.Tensor | None:
     """``sample``'s launches on checked arguments; without ``out`` (and seed, counter) no
     draw: ``lowest`` alone is written. ``radix``: (logits a tile, warps) of the radix
     levels (default: the other passes' tile, 4 warps; a tile smaller than theirs divides
-    the chunk; benchmarks/probes/probe_sampling.py times them)."""
+    the chunk; benchmarks/probes/probe_sampling.py times them). ``candidates``: the short
+    path's list a row (a power of two; a row with more candidates takes the radix passes,
+    which the tests force with a small list)."""
     s, v = logits.shape
     draw = out is not None
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 2 \
+            or candidates & (candidates - 1):
+        raise ValueError(f"candidates must be a power of two >= 2, got {candidates!r}")
     block, chunk, c = chunking(v)
     radix_block, radix_warps = (block, 4) if radix is None else (min(radix[0], block), radix[1])
     group = _group(group, s, c)
@@ -474,25 +568,32 @@ def _passes(logits, temperature, top_k, top_p, min_p, seed, counter, out, lowest
     kkey, pkey = torch.empty(8, s, dtype=i64, device=dev), torch.empty(8, s, dtype=i64, device=dev)
     kneed, pneed = torch.empty(8, s, dtype=i32, device=dev), torch.empty(8, s, dtype=f32, device=dev)
     kthr = torch.empty(s, dtype=i64, device=dev)
+    # the short path: per row its candidates' count and list, whether it served the row, and its threshold
+    count, fast = torch.empty(s, dtype=i32, device=dev), torch.empty(s, dtype=i32, device=dev)
+    cand, fthr = torch.empty(s, candidates, dtype=f32, device=dev), torch.empty(s, dtype=i64, device=dev)
     grid = (s, -(-c // group))
     rows = (logits, logits.stride(0), v, chunk, c, group)
+    _max_kernel[grid](*rows, pmax, pidx, count, COUNT=True, BLOCK=block, num_warps=4)
+    _collect_kernel[grid](*rows, temperature, top_k, pmax, pidx, count, cand, CAP=candidates, CP=cp, BLOCK=block,
+                          num_warps=4)
+    _select_kernel[(s,)](temperature, top_k, top_p, pmax, pidx, count, cand, fast, fthr, v, c, CAP=candidates,
+                         CP=cp, num_warps=4)
     top_k_on = top_p_on = True      # on a GPU every pass is launched (a captured graph serves any settings) and
     if not logits.is_cuda:          # rows skip what they do not need; on the CPU (the interpreter, where each
-        live = temperature > 0      # program costs milliseconds) the settings are read: passes no row needs are not run
-        top_k_on = bool((live & (top_k > 0) & (top_k < v)).any())
+        live = (temperature > 0) & (fast == 0)       # program costs milliseconds) the settings are read: passes
+        top_k_on = bool((live & (top_k > 0) & (top_k < v)).any())     # no row needs are not run
         top_p_on = bool((live & (top_p < 1)).any())
-    _max_kernel[grid](*rows, pmax, pidx, BLOCK=block, num_warps=4)
     for level in range(8 if top_k_on else 0):
-        _radix_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, hk, kkey, kneed, kthr, zpart, level,
-                            WEIGHTED=False, CP=cp, BLOCK=radix_block, num_warps=radix_warps)
-    _mass_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, hk, kkey, kneed, kthr, zpart, CP=cp,
+        _radix_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, fast, hk, kkey, kneed, kthr, zpart,
+                            level, WEIGHTED=False, CP=cp, BLOCK=radix_block, num_warps=radix_warps)
+    _mass_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, fast, hk, kkey, kneed, kthr, zpart, CP=cp,
                        BLOCK=block, num_warps=4)
     for level in range(8 if top_p_on else 0):
-        _radix_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, hp, pkey, pneed, kthr, zpart, level,
-                            WEIGHTED=True, CP=cp, BLOCK=radix_block, num_warps=radix_warps)
+        _radix_kernel[grid](*rows, s, temperature, top_k, top_p, pmax, pidx, fast, hp, pkey, pneed, kthr, zpart,
+                            level, WEIGHTED=True, CP=cp, BLOCK=radix_block, num_warps=radix_warps)
     _draw_kernel[grid](*rows, s, temperature, top_k, top_p, min_p, seed if draw else temperature,
-                       counter if draw else temperature, pmax, pidx, kthr, hp, pkey, pneed, bestv, besti, lowc,
-                       DRAW=draw, CP=cp, BLOCK=block, num_warps=4)
+                       counter if draw else temperature, pmax, pidx, fast, fthr, kthr, hp, pkey, pneed, bestv, besti,
+                       lowc, DRAW=draw, CP=cp, BLOCK=block, num_warps=4)
     _pick_kernel[(s,)](temperature, pmax, pidx, bestv, besti, lowc, out if draw else pidx,
                        lowest if lowest is not None else pmax, c, DRAW=draw, HAS_LOWEST=lowest is not None, CP=cp,
                        num_warps=4)
@@ -526,8 +627,8 @@ def greedy(logits: torch.Tensor, *, out: torch.Tensor | None = None, group: int 
         return out
     pmax = torch.empty(s, c, dtype=torch.float32, device=logits.device)
     pidx = torch.empty(s, c, dtype=torch.int32, device=logits.device)
-    _max_kernel[(s, -(-c // group))](logits, logits.stride(0), v, chunk, c, group, pmax, pidx, BLOCK=block,
-                                      num_warps=4)
+    _max_kernel[(s, -(-c // group))](logits, logits.stride(0), v, chunk, c, group, pmax, pidx, pidx, COUNT=False,
+                                      BLOCK=block, num_warps=4)
     _first_max_kernel[(s,)](pmax, pidx, out, c, CP=max(2, triton.next_power_of_2(c)), num_warps=4)
     return out
 

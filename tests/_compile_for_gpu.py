@@ -43,24 +43,33 @@ def variants():
 def _variants():
     rows = {"logits_ptr": ptr("bf16"), "stride_row": "i32", "V": "i32", "CHUNK": "i32", "C": "i32", "G": "i32"}
     state = {"temp_ptr": ptr("fp32"), "top_k_ptr": ptr("i32"), "top_p_ptr": ptr("fp32")}
-    yield ks._max_kernel, {**rows, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"), "BLOCK": "constexpr"}, \
-        {"BLOCK": 1024}
+    for count in (True, False):     # (False: greedy's, its count pointer the indices')
+        yield ks._max_kernel, {**rows, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"), "count_ptr": ptr("i32"),
+                               "COUNT": "constexpr", "BLOCK": "constexpr"}, {"COUNT": count, "BLOCK": 1024}
+    yield ks._collect_kernel, {**rows, "temp_ptr": ptr("fp32"), "top_k_ptr": ptr("i32"), "pmax_ptr": ptr("fp32"),
+                               "pidx_ptr": ptr("i32"), "count_ptr": ptr("i32"), "cand_ptr": ptr("fp32"),
+                               "CAP": "constexpr", "CP": "constexpr", "BLOCK": "constexpr"}, \
+        {"CAP": ks.CANDIDATES, "CP": 128, "BLOCK": 1024}
+    yield ks._select_kernel, {**state, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"), "count_ptr": ptr("i32"),
+                              "cand_ptr": ptr("fp32"), "fast_ptr": ptr("i32"), "fthr_ptr": ptr("i64"), "V": "i32",
+                              "C": "i32", "CAP": "constexpr", "CP": "constexpr"}, {"CAP": ks.CANDIDATES, "CP": 128}
     for weighted in (False, True):
         h = "fp32" if weighted else "i32"
-        sig = {**rows, "S": "i32", **state, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"), "h_ptr": ptr(h),
+        sig = {**rows, "S": "i32", **state, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"), "fast_ptr": ptr("i32"),
+               "h_ptr": ptr(h),
                "key_ptr": ptr("i64"), "need_ptr": ptr(h), "kthr_ptr": ptr("i64"), "zpart_ptr": ptr("fp32"),
                "level": "i32", "WEIGHTED": "constexpr", "CP": "constexpr", "BLOCK": "constexpr"}
         yield ks._radix_kernel, sig, {"WEIGHTED": weighted, "CP": 128, "BLOCK": 1024}
         yield ks._radix_kernel, sig, {"WEIGHTED": weighted, "CP": 2, "BLOCK": 128, "level": 1}  # (1: specialised)
     yield ks._mass_kernel, {**rows, "S": "i32", **state, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"),
-                            "hk_ptr": ptr("i32"), "kkey_ptr": ptr("i64"), "kneed_ptr": ptr("i32"),
+                            "fast_ptr": ptr("i32"), "hk_ptr": ptr("i32"), "kkey_ptr": ptr("i64"), "kneed_ptr": ptr("i32"),
                             "kthr_ptr": ptr("i64"), "zpart_ptr": ptr("fp32"), "CP": "constexpr",
                             "BLOCK": "constexpr"}, {"CP": 128, "BLOCK": 1024}
     for draw in (True, False):      # (False: kept_lowest, its seed and counter the temperatures' pointer)
         key = ptr("i64") if draw else ptr("fp32")
         yield ks._draw_kernel, {**rows, "S": "i32", **state, "min_p_ptr": ptr("fp32"), "seed_ptr": key,
                                 "counter_ptr": key, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"),
-                                "kthr_ptr": ptr("i64"), "hp_ptr": ptr("fp32"), "pkey_ptr": ptr("i64"),
+                                "fast_ptr": ptr("i32"), "fthr_ptr": ptr("i64"), "kthr_ptr": ptr("i64"), "hp_ptr": ptr("fp32"), "pkey_ptr": ptr("i64"),
                                 "pneed_ptr": ptr("fp32"), "bestv_ptr": ptr("fp32"), "besti_ptr": ptr("i32"),
                                 "lowc_ptr": ptr("fp32"), "DRAW": "constexpr", "CP": "constexpr", "BLOCK": "constexpr"}, \
             {"DRAW": draw, "CP": 128, "BLOCK": 1024}

@@ -250,6 +250,75 @@ def test_select_bounds_from_chunk_maxima_and_shared_digits(device):
     assert_draws(logits, args, ids, lowest, rows, f"seed {seed}")
 
 
+def test_short_path_serves_bounded_rows_and_selects_as_the_radix_passes(device):
+    """The short path (the logits at or above top-k's chunk-maximum bound copied to a list,
+    sorted, both thresholds read off it) serves exactly the rows it may (sampling, top-k on
+    with k at most the chunk count, a list that holds every candidate) and gives their kept
+    sets and draws to the bit as the radix passes do (forced with a list of two), both the
+    reference's: random rows, ties everywhere, one binade, masked chunks, spikes that make
+    the bound the threshold, top-p on and off; a row with too many candidates, k past the
+    chunk count, top-k off and greedy take the radix passes or none."""
+    import triton
+
+    from graphrt.kernels.sampling import CANDIDATES, _collect_kernel, _max_kernel, _passes, _select_kernel, chunking
+
+    seed = fresh_seed()
+    rng, gen = rngs(seed)
+    vocab = 20000
+    block, chunk, chunks = chunking(vocab)
+    s = 11
+    logits = torch.randn(s, vocab, generator=gen) * 2
+    logits[3] = torch.randint(-5, 5, (vocab,), generator=gen).float()              # ties everywhere
+    logits[4] = 1.0 + torch.rand(vocab, generator=gen) * 2 ** -9                     # one binade, close
+    logits[5, : chunks // 2 * chunk] = -math.inf                                     # half the chunks masked
+    logits[6] = -10.0 - torch.rand(vocab, generator=gen)                             # one spike a chunk
+    for c in range(chunks):
+        logits[6, c * chunk + int(rng.integers(0, min(chunk, vocab - c * chunk)))] = 5.0 + 0.25 * c
+    logits = logits.to(device)
+    ps = [1.0, 0.9, 0.5, 0.05]
+    rows = [(float(rng.choice([0.7, 1.0, 2.0])), int(rng.choice([1, 5, 12, chunks])), float(rng.choice(ps)),
+             float(rng.choice([0.0, 0.1])), int(rng.integers(0, 2 ** 62)), int(rng.integers(0, 2 ** 40)))
+            for _ in range(s)]
+    rows[3] = (1.0, chunks, 0.9, 0.0, 1, 2)            # ties: thousands of logits at the bound, more than the list
+    rows[8] = (1.0, chunks + 1, float(rng.choice(ps)), 0.0, 3, 4)     # no bound from the chunk maxima
+    rows[9] = (1.0, 0, 0.9, 0.0, 5, 6)                 # top-p alone
+    rows[10] = (0.0, 5, 0.9, 0.0, 7, 8)                # greedy
+    rows[0] = (1.0, 5, 0.9, 0.05, 9, 10)              # served by the short path (random logits: few candidates)
+    args = settings(rows, device)
+    keys = ("temperature", "top_k", "top_p", "min_p", "seed", "counter")
+    # which rows the short path serves, from its own launches
+    pmax = torch.empty(s, chunks, dtype=torch.float32, device=device)
+    pidx = torch.empty(s, chunks, dtype=torch.int32, device=device)
+    count, fast = (torch.full((s,), 7, dtype=torch.int32, device=device) for _ in range(2))
+    cand, fthr = torch.empty(s, CANDIDATES, device=device), torch.empty(s, dtype=torch.int64, device=device)
+    cp = triton.next_power_of_2(chunks)
+    grid = (s, chunks)
+    rowargs = (logits, logits.stride(0), vocab, chunk, chunks, 1)
+    _max_kernel[grid](*rowargs, pmax, pidx, count, COUNT=True, BLOCK=block)
+    _collect_kernel[grid](*rowargs, args["temperature"], args["top_k"], pmax, pidx, count, cand, CAP=CANDIDATES, CP=cp,
+                          BLOCK=block)
+    _select_kernel[(s,)](args["temperature"], args["top_k"], args["top_p"], pmax, pidx, count, cand, fast, fthr,
+                         vocab, chunks, CAP=CANDIDATES, CP=cp)
+    x = logits.double().cpu()
+    for i, (t, k, *_rest) in enumerate(rows):
+        bounded = t > 0 and 0 < k <= chunks
+        if bounded:         # the count: every logit at or above the k-th largest chunk maximum
+            bound = pmax[i].cpu().double().sort(descending=True).values[k - 1]
+            assert int(count[i]) == int((x[i] >= bound).sum()), f"row {i} (seed {seed})"
+        assert int(fast[i]) == int(bounded and int(count[i]) <= CANDIDATES), f"row {i}: fast {int(fast[i])} (seed {seed})"
+    assert int(fast[3]) == 0 and int(fast[0]) == 1, f"seed {seed}"
+    got = []
+    for candidates in (CANDIDATES, 2):
+        ids = torch.empty(s, dtype=torch.int64, device=device)
+        lowest = torch.empty(s, dtype=torch.float32, device=device)
+        _passes(logits, *(args[k] for k in keys), ids, lowest, None, candidates=candidates)
+        assert_draws(logits, args, ids, lowest, rows, f"candidates {candidates} (seed {seed})")
+        got.append((ids.cpu(), lowest.cpu()))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"seed {seed}"
+    with pytest.raises(ValueError, match="candidates must be a power of two"):
+        _passes(logits, *(args[k] for k in keys), ids, lowest, None, candidates=100)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [1, 17, 2500], ids=lambda v: f"V{v}")
 def test_kept_lowest_is_what_sample_keeps(dtype, vocab, device):
