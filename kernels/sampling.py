@@ -37,9 +37,10 @@ the radix path's, which could move top-p's threshold only at a mass within round
 Z. A row with more candidates than the list holds, or no bound, takes the radix passes.
 
 A row whose settings do not need a pass (greedy; top-k off or >= the vocabulary; top-p =
-1; the radix passes where the short path served it) returns from it at once; every launch is made (a captured graph serves any settings),
-except on CPU tensors, where the interpreter's programs are slow and the settings are
-read to leave out passes no row needs.
+1; the radix passes where the short path served it) returns from it at once; every
+launch is made (a captured graph serves any settings), except on CPU tensors, where the
+interpreter's programs are slow and the settings are read to leave out passes no row
+needs.
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ def _radix_kernel(logits_ptr, stride_row, V, CHUNK, C, G, S, temp_ptr, top_k_ptr
         wanted = (t > 0) & (p < 1.0)
     else:
         wanted = (t > 0) & (k > 0) & (k < V)
-    if wanted & (tl.load(fast_ptr + row) == 0):                       # (settings first: a row that needs no select reads nothing more)
+    # (settings first: a row that needs no select, or that the short path served, reads nothing more)
+    if wanted & (tl.load(fast_ptr + row) == 0):
         m, _first = _row_max(pmax_ptr, pidx_ptr, row, C, CP)
         if m > float("-inf"):
             inv_t = 1.0 / t

@@ -62,16 +62,17 @@ def _variants():
         yield ks._radix_kernel, sig, {"WEIGHTED": weighted, "CP": 128, "BLOCK": 1024}
         yield ks._radix_kernel, sig, {"WEIGHTED": weighted, "CP": 2, "BLOCK": 128, "level": 1}  # (1: specialised)
     yield ks._mass_kernel, {**rows, "S": "i32", **state, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"),
-                            "fast_ptr": ptr("i32"), "hk_ptr": ptr("i32"), "kkey_ptr": ptr("i64"), "kneed_ptr": ptr("i32"),
-                            "kthr_ptr": ptr("i64"), "zpart_ptr": ptr("fp32"), "CP": "constexpr",
+                            "fast_ptr": ptr("i32"), "hk_ptr": ptr("i32"), "kkey_ptr": ptr("i64"),
+                            "kneed_ptr": ptr("i32"), "kthr_ptr": ptr("i64"), "zpart_ptr": ptr("fp32"), "CP": "constexpr",
                             "BLOCK": "constexpr"}, {"CP": 128, "BLOCK": 1024}
     for draw in (True, False):      # (False: kept_lowest, its seed and counter the temperatures' pointer)
         key = ptr("i64") if draw else ptr("fp32")
         yield ks._draw_kernel, {**rows, "S": "i32", **state, "min_p_ptr": ptr("fp32"), "seed_ptr": key,
                                 "counter_ptr": key, "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"),
-                                "fast_ptr": ptr("i32"), "fthr_ptr": ptr("i64"), "kthr_ptr": ptr("i64"), "hp_ptr": ptr("fp32"), "pkey_ptr": ptr("i64"),
-                                "pneed_ptr": ptr("fp32"), "bestv_ptr": ptr("fp32"), "besti_ptr": ptr("i32"),
-                                "lowc_ptr": ptr("fp32"), "DRAW": "constexpr", "CP": "constexpr", "BLOCK": "constexpr"}, \
+                                "fast_ptr": ptr("i32"), "fthr_ptr": ptr("i64"), "kthr_ptr": ptr("i64"),
+                                "hp_ptr": ptr("fp32"), "pkey_ptr": ptr("i64"), "pneed_ptr": ptr("fp32"),
+                                "bestv_ptr": ptr("fp32"), "besti_ptr": ptr("i32"), "lowc_ptr": ptr("fp32"),
+                                "DRAW": "constexpr", "CP": "constexpr", "BLOCK": "constexpr"}, \
             {"DRAW": draw, "CP": 128, "BLOCK": 1024}
     for draw, has_lowest in ((True, False), (True, True), (False, True)):
         yield ks._pick_kernel, {"temp_ptr": ptr("fp32"), "pmax_ptr": ptr("fp32"), "pidx_ptr": ptr("i32"),

@@ -305,7 +305,8 @@ def test_short_path_serves_bounded_rows_and_selects_as_the_radix_passes(device):
         if bounded:         # the count: every logit at or above the k-th largest chunk maximum
             bound = pmax[i].cpu().double().sort(descending=True).values[k - 1]
             assert int(count[i]) == int((x[i] >= bound).sum()), f"row {i} (seed {seed})"
-        assert int(fast[i]) == int(bounded and int(count[i]) <= CANDIDATES), f"row {i}: fast {int(fast[i])} (seed {seed})"
+        want = int(bounded and int(count[i]) <= CANDIDATES)
+        assert int(fast[i]) == want, f"row {i}: fast {int(fast[i])}, want {want} (seed {seed})"
     assert int(fast[3]) == 0 and int(fast[0]) == 1, f"seed {seed}"
     got = []
     for candidates in (CANDIDATES, 2):

@@ -81,7 +81,8 @@ def main() -> None:
                         ids = out.clone()
                         kernels = kernel_us(captured(run)) if cuda else {}
                     except Exception as exc:      # a tile that does not compile or fit: recorded, not fatal
-                        print(f"V={vocab} B={batch} {name} {tile} {path}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                        print(f"V={vocab} B={batch} {name} {tile} {path}: {type(exc).__name__}: {exc}"[:300],
+                              flush=True)
                         rows.append(dict(vocab=vocab, batch=batch, setting=name, radix=tile, path=path,
                                          error=str(exc)[:300]))
                         continue
